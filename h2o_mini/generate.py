@@ -1,0 +1,107 @@
+"""Prefill, the decode step, sampling and the generation loop (gpt-fast's shape, with an evicting cache).
+
+* Prompts of different lengths are left-padded into one batch; padding gets negative positions, so it is
+  never inserted into the cache and never attended.
+* The cache is allocated once, before the prompt, with C slots per (layer, row, KV head).
+* The decode step has static shapes: token (B, 1), positions (B, 1) as tensors advanced on the device, the
+  eviction inside the graph. It can be compiled with `fullgraph=True` (`Decoder(compile=True)`).
+* Sampling uses the exponential-race trick (argmax of p / Exp(1) noise), so no host sync per token; the
+  host looks at the tokens only to stream them and, every few steps, to stop when every row has ended.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+from .model import Transformer
+from .policies import Policy
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) fp32 -> next tokens (B,) int64, without a host sync."""
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / s.temperature
+    if s.top_k > 0:
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    probs = logits.softmax(-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > s.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def decode_step(model: Transformer, cache: KVCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One token per row through every layer, evicting inside the cache. token, pos: (B, 1). -> (B, V)."""
+    return model(token, pos, cache, mode="step")[:, -1]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, pos), both (B, T): prompts right-aligned; padding has token `pad_id` and a negative position."""
+    T = max(len(p) for p in prompts)
+    idx = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts], device=device)
+    pos = torch.arange(T, device=device)[None, :] - torch.tensor([T - len(p) for p in prompts], device=device)[:, None]
+    return idx, pos
+
+
+class Decoder:
+    """Runs prefill and decoding for one model; holds the (optionally compiled) decode step."""
+
+    def __init__(self, model: Transformer, compile: bool = False, chunk: int = 256):
+        self.model, self.chunk = model, chunk
+        mode = "reduce-overhead" if next(model.parameters()).is_cuda else None  # CUDA graphs on GPU
+        self.step = torch.compile(decode_step, fullgraph=True, mode=mode) if compile else decode_step
+
+    def new_cache(self, policy: Policy, batch: int, length: int) -> KVCache:
+        p = next(self.model.parameters())
+        capacity = min(policy.capacity or length, length)  # C >= L never evicts: no need for more slots
+        return KVCache(self.model.cfg, policy, batch, capacity, dtype=p.dtype, device=p.device)
+
+    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str, length: int) -> torch.Tensor:
+        """Run the prompts into the cache; returns the last position's logits (B, V).
+
+        `stream` feeds the prompt through the per-token eviction rule in chunks; `dense` attends causally
+        and keeps C tokens at the end. When C >= length nothing is ever evicted and both are the same, so
+        the cheaper dense path is used."""
+        if mode == "dense" or cache.capacity >= length:
+            return self.model(idx, pos, cache, mode="dense", last_only=True)[:, -1]
+        for s in range(0, idx.shape[1], self.chunk):
+            logits = self.model(idx[:, s:s + self.chunk], pos[:, s:s + self.chunk], cache, mode="stream",
+                                last_only=True)
+        return logits[:, -1]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], policy: Policy, max_new_tokens: int, prefill: str = "dense",
+                 sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (), seed: int | None = None,
+                 check_every: int = 8) -> Iterator[torch.Tensor]:
+        """Yields the next token of every row, (B,) on the model's device, `max_new_tokens` times at most.
+        Rows that ended keep producing tokens until all have ended; callers cut at the first EOS."""
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        idx, pos = left_pad(prompts, device=device)
+        length = idx.shape[1] + max_new_tokens
+        cache = self.new_cache(policy, idx.shape[0], length)
+        token = sample(self.prefill(cache, idx, pos, prefill, length), sampling, gen)
+        pos = pos[:, -1:] + 1  # (B, 1) next original position of every row
+        eos = torch.tensor(eos_ids or (-1,), device=device)
+        done = torch.isin(token, eos)
+        for i in range(max_new_tokens):
+            yield token
+            if i == max_new_tokens - 1 or (i % check_every == check_every - 1 and bool(done.all())):
+                return
+            token = sample(self.step(self.model, cache, token[:, None], pos), sampling, gen)
+            pos = pos + 1
+            done |= torch.isin(token, eos)

@@ -1,0 +1,160 @@
+"""One decoder-only Transformer for the OPT, LLaMA and GPT-NeoX families.
+
+The families differ only in flags of `Config` (litgpt's approach): the norm (RMSNorm / LayerNorm), the MLP
+(SwiGLU / ReLU / GELU), the residual wiring (sequential / NeoX parallel / OPT-350m post-norm), the position
+scheme (RoPE on all or part of each head / learned embeddings) and the biases. Checkpoint quirks live in
+`weights/hf.py`.
+
+The model never owns a KV cache: `forward` takes one (`cache.KVCache`) explicitly, plus the original
+position of every token, which is what RoPE and learned positions use even after eviction. Negative
+positions mark left padding. References: Vaswani et al. 2017 (attention), Su et al. 2021 (RoPE),
+Touvron et al. 2023 (LLaMA), Zhang et al. 2022 (OPT), Black et al. 2022 (GPT-NeoX).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import Config, rope_inv_freq
+
+_ACTS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # normalise in fp32 as the reference implementation does, whatever the model dtype
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: Config) -> nn.Module:
+    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first `rotary_dim` channels. x: (B, H, T, D); cos, sin: (B, 1, T, rotary_dim)."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half1, half2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat((-half2, half1), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.d_model, cfg.head_dim
+        self.wq = nn.Linear(d, cfg.n_head * hd, bias=cfg.attn_bias)
+        self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
+        self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
+        self.wo = nn.Linear(cfg.n_head * hd, d, bias=cfg.out_bias)
+
+    def forward(self, x, pos, rope, cache, layer: int, mode: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
+        k = self.wk(x).view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        v = self.wv(x).view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        if rope is not None:  # keys are cached after RoPE at their original position: never re-rotated
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is None:
+            out = causal_attention(q, k, v, pos)
+        else:
+            out = cache.attend(layer, q, k, v, pos, mode)  # (B, n_head, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
+
+
+def causal_attention(q, k, v, pos) -> torch.Tensor:
+    """Plain causal attention over the whole sequence (no cache); padding (pos < 0) is never attended."""
+    T = q.shape[2]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
+    mask = causal & (pos >= 0)[:, None, None, :]  # (B, 1, T, T)
+    mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)  # padding queries see themselves: no NaN
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.act = _ACTS[cfg.act]
+        self.gated = cfg.gated_mlp
+        self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias) if cfg.gated_mlp else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:  # SwiGLU (Shazeer, 2020)
+            return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+
+    def forward(self, x, pos, rope, cache, layer: int, mode: str) -> torch.Tensor:
+        def attn(h):
+            return self.attn(h, pos, rope, cache, layer, mode)
+
+        if self.cfg.parallel_residual:  # GPT-NeoX / GPT-J: both branches read the same input
+            return x + attn(self.norm1(x)) + self.mlp(self.norm2(x))
+        if self.cfg.norm_before:  # LLaMA, most OPT sizes
+            h = x + attn(self.norm1(x))
+            return h + self.mlp(self.norm2(h))
+        h = self.norm1(x + attn(x))  # OPT-350m: the norm comes after each residual add
+        return self.norm2(h + self.mlp(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        d_embed = cfg.d_embed or cfg.d_model
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d_embed)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.learned_pos else None
+        self.proj_in = nn.Linear(d_embed, cfg.d_model, bias=False) if d_embed != cfg.d_model else None
+        self.proj_out = nn.Linear(cfg.d_model, d_embed, bias=False) if d_embed != cfg.d_model else None
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg) if cfg.final_norm else None
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(d_embed, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg) if cfg.rotary_dim else None, persistent=False)
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor, cache=None, mode: str = "dense",
+                last_only: bool = False) -> torch.Tensor:
+        """idx, pos: (B, T) token ids and original positions (negative = padding). Returns fp32 logits
+        (B, T, vocab), or (B, 1, vocab) for the last position only with `last_only` (a long prompt's logits
+        would otherwise be the largest tensor of a generation).
+
+        mode (with a cache): "dense" (causal prompt attention, then keep C per the policy), "stream" (the
+        per-token eviction rule over the whole chunk), or "step" (one token per row: the decode step).
+        """
+        x = self.tok_emb(idx)  # (B, T, d_embed)
+        if self.proj_in is not None:
+            x = self.proj_in(x)  # (B, T, d_model)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(pos.clamp(min=0))
+        rope = None
+        if self.inv_freq is not None:
+            freqs = pos.clamp(min=0)[..., None].float() * self.inv_freq  # (B, T, rotary_dim / 2), fp32
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, rotary_dim)
+            rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, rope, cache, i, mode)
+        if last_only:
+            x = x[:, -1:]
+        if self.norm_f is not None:
+            x = self.norm_f(x)
+        if self.proj_out is not None:
+            x = self.proj_out(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
+        return logits.float()  # (B, T, vocab)

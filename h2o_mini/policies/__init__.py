@@ -1,0 +1,27 @@
+"""Eviction policies. `REGISTRY` is the one place a policy is named; the tests iterate over it."""
+from __future__ import annotations
+
+from .base import Policy, capacity_for, parse_budget, recent_for
+from .full import Full
+from .h2o import H2O
+from .heavy_hitter import HeavyHitter
+from .local import Local
+from .sinks import Sinks
+from ..errors import UserError
+
+REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Local, HeavyHitter, H2O, Sinks)}
+
+
+def make_policy(name: str, budget: str | float | int | None, length: int, recent: str | float | int | None = None) -> Policy:
+    """A policy from CLI-style arguments: `budget` is a fraction of `length` or a token count (see the spec)."""
+    if name not in REGISTRY:
+        raise UserError(f"unknown policy {name!r} (choose from {', '.join(REGISTRY)})")
+    if name == "full":
+        return Full()
+    if budget is None:
+        raise UserError(f"policy {name!r} needs --budget")
+    capacity = capacity_for(parse_budget(budget), length)
+    return REGISTRY[name].from_budget(capacity, recent_for(recent, capacity))
+
+
+__all__ = ["Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O", "Sinks"]

@@ -1,0 +1,26 @@
+"""`full`: keep every token (the dense baseline every other policy is compared with)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Policy
+
+
+@dataclass(frozen=True)
+class Full(Policy):
+    """No eviction: the cache is sized to the whole sequence, so `keep_score` is never consulted."""
+
+    name = "full"
+
+    @property
+    def capacity(self) -> None:
+        return None
+
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return pos.float()
+
+    @classmethod
+    def from_budget(cls, capacity: int, recent: int | None) -> "Full":
+        return cls()

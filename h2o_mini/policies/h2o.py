@@ -1,0 +1,43 @@
+"""`h2o`: the Heavy-Hitter Oracle (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative
+Inference of Large Language Models", arXiv 2306.14048, Algorithm 1 with a recent window).
+
+The observation: a small set of tokens (the "heavy hitters") receives most of the attention, and which
+tokens those are can be read off the attention already computed. So H2O keeps a cache of C = heavy + recent
+tokens per layer and KV head and, each time a token arrives at a full cache:
+
+1. every cached token j carries a score s_j: the sum of the attention probabilities it has received from
+   every query since it entered the cache (fp32, never normalised; with GQA, summed over the group's heads);
+2. the `recent - 1` newest cached tokens (and the arriving one) are protected: a local window;
+3. among the others, the token with the lowest s_j is evicted for good (ties: the oldest).
+
+With heavy = 0 this is `local`; with recent = 0 it is `heavy_hitter`. The cache does the bookkeeping
+(`cache.py`); this class only says which tokens to keep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Policy
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    heavy: int
+    recent: int
+    name = "h2o"
+    needs_scores = True
+
+    @property
+    def capacity(self) -> int:
+        return self.heavy + self.recent
+
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        recent_window = pos > t - self.recent  # the r-1 newest cached tokens (t itself is not cached yet)
+        return torch.where(recent_window, torch.inf, score)
+
+    @classmethod
+    def from_budget(cls, capacity: int, recent: int | None) -> "H2O":
+        recent = capacity - capacity // 2 if recent is None else recent
+        return cls(heavy=capacity - recent, recent=recent)

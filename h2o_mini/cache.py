@@ -133,7 +133,7 @@ class KVCache:
         g = n_head // H
         # Virtual slots: the C cached tokens in position order (empty ones first), then the K new tokens.
         # In position order, argmin's first-minimum rule *is* "ties evict the oldest".
-        order = lc.pos.argsort(-1, stable=True)  # (B, H, C)
+        order = lc.pos.argsort(dim=-1, stable=True)  # (B, H, C)
         vk = torch.cat([lc.k.gather(2, order[..., None].expand(B, H, C, D)), k], 2)  # (B, H, C+K, hd)
         vv = torch.cat([lc.v.gather(2, order[..., None].expand(B, H, C, D)), v], 2)
         vpos = torch.cat([lc.pos.gather(2, order), pos[:, None, :].expand(B, H, K)], 2)  # (B, H, C+K)
@@ -159,7 +159,7 @@ class KVCache:
                 vscore = self.policy.accumulate(vscore, p.sum(2) * ok)
         out = probs.to(v.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
         # Exactly C virtual slots are still members (one left for each one that came in): compact them.
-        kept = (~member).to(torch.uint8).argsort(-1, stable=True)[..., :C]  # (B, H, C), position order
+        kept = (~member).to(torch.uint8).argsort(dim=-1, stable=True)[..., :C]  # (B, H, C), position order
         kept_alive = alive.gather(2, kept)
         lc.k.copy_(vk.gather(2, kept[..., None].expand(B, H, C, D)))
         lc.v.copy_(vv.gather(2, kept[..., None].expand(B, H, C, D)))

@@ -135,4 +135,4 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str 
     model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in weights.items()}, assign=True)
     if cfg.rotary_dim:
         model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.eval()
+    return model.requires_grad_(False).eval()

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random checkpoints built with transformers (the oracle) and saved as safetensors,
+and real English text (GPL-3) as bytes, which is what the tiny models' 256-token vocabulary reads."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+VOCAB = 256
+
+
+def text_bytes(n: int, offset: int = 0) -> list[int]:
+    """n tokens of real English: the bytes of the GPL-3 text."""
+    return list(GPL3.read_bytes()[offset:offset + n])
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-5)
+    return LlamaConfig(**{**base, **kw})
+
+
+def _opt(**kw):
+    from transformers import OPTConfig
+    base = dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, init_std=0.15, word_embed_proj_dim=64, pad_token_id=1,
+                bos_token_id=2, eos_token_id=2, dropout=0.0)
+    return OPTConfig(**{**base, **kw})
+
+
+def _neox(**kw):
+    from transformers import GPTNeoXConfig
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, initializer_range=0.15)
+    return GPTNeoXConfig(**{**base, **kw})
+
+
+# name -> config factory; the parity tests cover every entry
+TINY = {
+    "llama_mha": lambda: _llama(),
+    "llama_gqa_tied": lambda: _llama(num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True),
+    "llama3_rope_scaling": lambda: _llama(num_key_value_heads=1, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}),
+    "opt_pre_ln_proj": lambda: _opt(word_embed_proj_dim=32),
+    "opt_post_ln_350m_style": lambda: _opt(do_layer_norm_before=False, word_embed_proj_dim=32),
+    "neox_parallel": lambda: _neox(rotary_pct=0.25, use_parallel_residual=True),
+    "neox_sequential": lambda: _neox(rotary_pct=0.5, use_parallel_residual=False),
+}
+# One per family for the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX.
+FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel"]
+
+
+def build_hf(name: str, folder: Path):
+    """A tiny random transformers model, saved as safetensors; returns it in eval mode."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(sum(map(ord, name)))
+    model = AutoModelForCausalLM.from_config(TINY[name](), attn_implementation="eager").eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """name -> (folder, hf_model), built once per session."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = tmp_path_factory.mktemp(name)
+            cache[name] = (folder, build_hf(name, folder))
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny):
+    """name -> h2o-mini Transformer (fp32) loaded from the saved folder."""
+    from h2o_mini.weights.hf import load_hf
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            models[name] = load_hf(tiny(name)[0])
+        return models[name]
+    return get

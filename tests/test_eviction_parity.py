@@ -1,0 +1,109 @@
+"""Every fast path of the evicting cache against the naive reference (tests/reference.py), fp32, 1e-4:
+the decode step, stream prefill in chunks, dense prefill then decoding, and ragged batches."""
+import pytest
+import torch
+
+from h2o_mini.cache import KVCache
+from h2o_mini.generate import Decoder, left_pad
+from h2o_mini.policies import REGISTRY, make_policy
+
+from .conftest import FAMILIES, text_bytes
+from .reference import reference_logits
+
+T, C = 48, 10
+# every registered policy at C = 10, plus h2o's two degenerate splits and an uneven one
+CASES = [(name, None) for name in REGISTRY] + [("h2o", 0), ("h2o", C), ("h2o", 3)]
+IDS = text_bytes(T, offset=2000)
+
+
+def _policy(name, recent):
+    return make_policy(name, C, T, recent)
+
+
+def _capacity(policy):
+    return min(policy.capacity or T, T)
+
+
+def _run(model, ids, policy, plan):
+    """Teacher-forced logits through KVCache. plan: list of (start, end, mode) covering the text."""
+    cache = KVCache(model.cfg, policy, 1, _capacity(policy))
+    x = torch.tensor([ids])
+    out = [model(x[:, s:e], torch.arange(s, e)[None], cache, mode=m) for s, e, m in plan]
+    return torch.cat(out, 1)[0]
+
+
+def _close(a, b):
+    return (a - b).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name,recent", CASES)
+def test_decode_step_matches_reference(tiny_model, family, name, recent):
+    model, policy = tiny_model(family), _policy(name, recent)
+    want = reference_logits(model, IDS, policy, _capacity(policy))
+    got = _run(model, IDS, policy, [(t, t + 1, "step") for t in range(T)])
+    assert _close(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name,recent", CASES)
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_stream_prefill_matches_reference(tiny_model, family, name, recent, chunk):
+    model, policy = tiny_model(family), _policy(name, recent)
+    want = reference_logits(model, IDS, policy, _capacity(policy))
+    got = _run(model, IDS, policy, [(s, min(T, s + chunk), "stream") for s in range(0, T, chunk)])
+    assert _close(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name,recent", CASES)
+def test_dense_prefill_then_decode_matches_reference(tiny_model, family, name, recent):
+    model, policy, n = tiny_model(family), _policy(name, recent), 30  # a prompt longer than C
+    want = reference_logits(model, IDS, policy, _capacity(policy), dense_prompt=n)
+    got = _run(model, IDS, policy, [(0, n, "dense")] + [(t, t + 1, "step") for t in range(n, T)])
+    assert _close(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["h2o", "local", "heavy_hitter"])
+@pytest.mark.parametrize("prefill", ["stream", "dense"])
+def test_ragged_batch_rows_match_each_prompt_alone(tiny_model, family, name, prefill):
+    """Left-padded rows of different lengths: padding takes no capacity, each row evicts on its own."""
+    model, policy = tiny_model(family), _policy(name, None)
+    texts = [text_bytes(40, 0), text_bytes(23, 700), text_bytes(31, 1500), text_bytes(9, 2600)]
+    prompts, follow = [t[:-8] for t in texts], [t[-8:] for t in texts]
+    idx, pos = left_pad(prompts)
+    cache = KVCache(model.cfg, policy, len(texts), C)
+    chunk = 9
+    plan = [(0, idx.shape[1])] if prefill == "dense" else [(s, s + chunk) for s in range(0, idx.shape[1], chunk)]
+    prompt_logits = torch.cat([model(idx[:, s:e], pos[:, s:e], cache, mode=prefill) for s, e in plan], 1)
+    step_pos = pos[:, -1:] + 1
+    steps = []
+    for i in range(8):  # teacher-forced decode steps, every row its own next token
+        steps.append(model(torch.tensor([[f[i]] for f in follow]), step_pos + i, cache, mode="step"))
+    for row, (p, text) in enumerate(zip(prompts, texts)):
+        want = reference_logits(model, text, policy, C, dense_prompt=len(p) if prefill == "dense" else 0)
+        got = torch.cat([prompt_logits[row, -len(p):]] + [s[row] for s in steps])
+        assert _close(got, want), f"row {row}"
+
+
+@pytest.mark.parametrize("prefill", ["stream", "dense"])
+def test_batched_generation_equals_each_prompt_alone(tiny_model, prefill):
+    model = tiny_model("llama_gqa_tied")
+    prompts = [text_bytes(30, 0), text_bytes(17, 400), text_bytes(25, 800)]
+    policy = _policy("h2o", None)
+    decoder = Decoder(model, chunk=8)
+    batch = torch.stack(list(decoder.generate(prompts, policy, 12, prefill))).T.tolist()
+    for p, row in zip(prompts, batch):
+        alone = torch.stack(list(decoder.generate([p], policy, 12, prefill)))[:, 0].tolist()
+        assert row == alone
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("prefill", ["stream", "dense"])
+def test_capacity_at_least_length_equals_full(tiny_model, name, prefill):
+    model = tiny_model("neox_parallel")
+    full = _run(model, IDS, make_policy("full", None, T), [(0, 30, "dense")] + [(t, t + 1, "step") for t in range(30, T)])
+    policy = make_policy(name, T, T)  # C = L
+    plan = [(0, 30, prefill)] + [(t, t + 1, "step") for t in range(30, T)]
+    assert _close(_run(model, IDS, policy, plan), full)

@@ -1,0 +1,55 @@
+"""The decoder against transformers on tiny random checkpoints of every supported family variant."""
+import pytest
+import torch
+
+from h2o_mini.generate import Decoder, left_pad
+from h2o_mini.policies import Full
+
+from .conftest import FAMILIES, TINY, text_bytes
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_logits_match_transformers(tiny, tiny_model, name):
+    folder, hf = tiny(name)
+    ids = torch.tensor([text_bytes(96, offset=1000)])
+    with torch.no_grad():
+        want = hf(ids).logits
+    got = tiny_model(name)(ids, torch.arange(96)[None])
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "opt_pre_ln_proj", "neox_sequential"])
+def test_left_padded_batch_matches_transformers(tiny, tiny_model, name):
+    """Padding (negative positions) is never attended: each row equals transformers on that row alone."""
+    _, hf = tiny(name)
+    prompts = [text_bytes(40, 0), text_bytes(25, 500), text_bytes(33, 900)]
+    idx, pos = left_pad(prompts)
+    got = tiny_model(name)(idx, pos)
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([p])).logits[0]
+        assert (got[row, -len(p):] - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cached_greedy_equals_recomputing_the_prefix(tiny_model, name):
+    model = tiny_model(name)
+    prompt = text_bytes(20, 3000)
+    got = torch.stack(list(Decoder(model).generate([prompt], Full(), max_new_tokens=16)))[:, 0].tolist()
+    ids = list(prompt)
+    for _ in range(16):  # no cache at all: the whole prefix every step
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])
+        ids.append(int(logits[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+
+
+def test_dtypes_run_and_stay_close(tiny):
+    from h2o_mini.weights.hf import load_hf
+    folder, _ = tiny("llama_gqa_tied")
+    ids = torch.tensor([text_bytes(32)])
+    ref = load_hf(folder)(ids, torch.arange(32)[None])
+    for dtype in (torch.bfloat16, torch.float16):
+        got = load_hf(folder, dtype=dtype)(ids, torch.arange(32)[None])
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert (got - ref).abs().max().item() < 0.25  # half precision, same function

@@ -1,0 +1,116 @@
+"""The command line as a user runs it: real subprocesses, tiny checkpoints, and bad input of every kind."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from .conftest import GPL3
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "h2o_mini", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode != 0
+    err = result.stderr.strip()
+    assert "Traceback" not in result.stderr and len(err.splitlines()) == 1, result.stderr
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.fixture(scope="module")
+def folder(tiny):
+    """A tiny LLaMA checkpoint with a tokenizer that reads bytes (so any text works)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    path, _ = tiny("llama_gqa_tied")
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=dict(sorted(vocab.items(), key=lambda kv: kv[1])), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def variant(folder, tmp_path, edit):
+    """A copy of the checkpoint with its tensors edited."""
+    out = tmp_path / "ckpt"
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_generate_and_eval_on_a_checkpoint(folder, tmp_path):
+    r = run("generate", "--model", folder, "--max-new-tokens", 8, "--policy", "h2o", "--budget", 4, "Hello")
+    assert r.returncode == 0, r.stderr
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\nsecond, longer prompt here\n")
+    r = run("generate", "--model", folder, "--prompts-file", prompts, "--max-new-tokens", 4, "--policy", "local",
+            "--budget", "0.5", "--prefill", "stream")
+    assert r.returncode == 0 and r.stdout.count("### ") == 2, r.stderr
+    r = run("eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 64, "--policy", "h2o", "--budget", "0.25",
+            "--compare-full", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {"nll", "ppl", "tokens", "policy", "capacity", "seconds", "top1_agree_full", "kl_full"} <= set(out)
+    assert out["capacity"] == 16 and out["tokens"] == 64 and out["policy"] == "h2o"
+    assert abs(out["ppl"] - torch.tensor(out["nll"]).exp().item()) < 1e-3 and 0 <= out["top1_agree_full"] <= 1
+    full = json.loads(run("eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 64, "--json").stdout)
+    assert full["capacity"] == 64 and full["nll"] != out["nll"]
+
+
+def test_help_shows_examples():
+    r = run("generate", "--help")
+    assert r.returncode == 0 and "Examples:" in r.stdout and "--policy" in r.stdout
+
+
+def test_bad_checkpoints(folder, tmp_path):
+    assert_one_line_error(run("generate", "--model", tmp_path / "nope", "hi"), "does not exist")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run("generate", "--model", tmp_path / "empty", "hi"), "no config.json")
+    weird = tmp_path / "weird"
+    shutil.copytree(folder, weird)
+    (weird / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert_one_line_error(run("generate", "--model", weird, "hi"), "unknown model_type 'bert'")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(folder / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not really")
+    assert_one_line_error(run("generate", "--model", pickled, "hi"), "safetensors only")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "lacks the tensor for layers.1.mlp.w_up.weight"),
+    (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}), "unexpected tensor model.layers.0.extra"),
+    (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), "norm_f.weight has shape (3,), expected (64,)"),
+])
+def test_bad_tensors(folder, tmp_path, edit, needle):
+    assert_one_line_error(run("generate", "--model", variant(folder, tmp_path, edit), "hi"), needle)
+
+
+def test_truncated_safetensors(folder, tmp_path):
+    out = variant(folder, tmp_path, lambda t: None)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run("generate", "--model", out, "hi"), "model.safetensors")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--text", "/nonexistent.txt", "--tokens", 10], "does not exist"),
+    (["--text", GPL3, "--tokens", 10 ** 6], "larger than the text"),
+    (["--text", GPL3, "--tokens", 10, "--policy", "h2o", "--budget", "0"], "budget"),
+    (["--text", GPL3, "--tokens", 10, "--policy", "h2o", "--budget", "1.5"], "budget"),
+    (["--text", GPL3, "--tokens", 10, "--policy", "h2o", "--budget", "abc"], "not a number"),
+    (["--text", GPL3, "--tokens", 10, "--policy", "h2o", "--budget", "4", "--recent", "5"], "negative heavy share"),
+    (["--text", GPL3, "--tokens", 10, "--policy", "nope"], "nope"),
+    (["--text", GPL3, "--tokens", 10, "--dtype", "float8"], "unknown dtype"),
+])
+def test_bad_eval_arguments(folder, args, needle):
+    assert_one_line_error(run("eval", "ppl", "--model", folder, *args), needle)

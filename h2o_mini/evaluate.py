@@ -18,7 +18,7 @@ from .policies import Policy
 
 @torch.inference_mode()
 def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 256,
-               compare_full: bool = False) -> dict:
+               compare_full: bool = False, compile: bool = False) -> dict:
     """Mean NLL (nats) of tokens 1..N-1 given their prefixes under `policy`; with `compare_full`, also the
     share of positions whose argmax equals full's (`top1_agree_full`) and mean KL(full || policy)."""
     device = next(model.parameters()).device
@@ -30,7 +30,7 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
         reference = model(x, torch.arange(T, device=device)[None])[0, :-1].log_softmax(-1)  # (T-1, V)
         full_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    logprobs, capacity = _logprobs(model, policy, x, chunk)
+    logprobs, capacity = _logprobs(Decoder(model, compile=compile, chunk=chunk), policy, x)
     seconds = time.perf_counter() - t0
     lp = logprobs[:-1]  # (T-1, V): position i predicts token i+1
     nll = -lp.gather(1, x[0, 1:, None]).mean().item()
@@ -43,10 +43,10 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
     return out
 
 
-def _logprobs(model: Transformer, policy: Policy, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+def _logprobs(decoder: Decoder, policy: Policy, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    model, chunk = decoder.model, decoder.chunk
     T = x.shape[1]
     pos = torch.arange(T, device=x.device)[None]
-    decoder = Decoder(model, chunk=chunk)
     cache = decoder.new_cache(policy, 1, T)
     if cache.capacity >= T:  # nothing is ever evicted: one causal pass gives the same logits as streaming
         return model(x, pos)[0].log_softmax(-1), cache.capacity

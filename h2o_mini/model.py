@@ -56,7 +56,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.n_head * hd, d, bias=cfg.out_bias)
 
-    def forward(self, x, pos, rope, cache, layer: int, mode: str) -> torch.Tensor:
+    def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         if cache is None:
             out = causal_attention(q, k, v, pos)
         else:
-            out = cache.attend(layer, q, k, v, pos, mode)  # (B, n_head, T, hd)
+            out = cache.attend(q, k, v, pos, mode)  # (B, n_head, T, hd): this layer's `cache.LayerCache`
         return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
 
 
@@ -102,9 +102,9 @@ class Block(nn.Module):
         self.norm1, self.attn = make_norm(cfg), Attention(cfg)
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
 
-    def forward(self, x, pos, rope, cache, layer: int, mode: str) -> torch.Tensor:
+    def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
         def attn(h):
-            return self.attn(h, pos, rope, cache, layer, mode)
+            return self.attn(h, pos, rope, cache, mode)
 
         if self.cfg.parallel_residual:  # GPT-NeoX / GPT-J: both branches read the same input
             return x + attn(self.norm1(x)) + self.mlp(self.norm2(x))
@@ -135,9 +135,16 @@ class Transformer(nn.Module):
         (B, T, vocab), or (B, 1, vocab) for the last position only with `last_only` (a long prompt's logits
         would otherwise be the largest tensor of a generation).
 
-        mode (with a cache): "dense" (causal prompt attention, then keep C per the policy), "stream" (the
-        per-token eviction rule over the whole chunk), or "step" (one token per row: the decode step).
+        mode (with a `cache.KVCache`): "dense" (causal prompt attention, then keep C per the policy),
+        "stream" (the per-token eviction rule over the whole chunk), or "step" (one token per row).
         """
+        x, rope = self.embed(idx, pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, rope, None if cache is None else cache.layers[i], mode)
+        return self.head(x[:, -1:] if last_only else x)
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor):
+        """Token (and learned position) embeddings, and RoPE's cos/sin at the original positions."""
         x = self.tok_emb(idx)  # (B, T, d_embed)
         if self.proj_in is not None:
             x = self.proj_in(x)  # (B, T, d_model)
@@ -148,10 +155,9 @@ class Transformer(nn.Module):
             freqs = pos.clamp(min=0)[..., None].float() * self.inv_freq  # (B, T, rotary_dim / 2), fp32
             emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, rotary_dim)
             rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, pos, rope, cache, i, mode)
-        if last_only:
-            x = x[:, -1:]
+        return x, rope
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_f is not None:
             x = self.norm_f(x)
         if self.proj_out is not None:

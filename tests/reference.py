@@ -16,7 +16,7 @@ class ReferenceCache:
         self.scale = cfg.head_dim ** -0.5
         self.state = [{"K": [], "V": [], "P": [], "cached": [[] for _ in range(cfg.n_kv_head)],
                        "score": [{} for _ in range(cfg.n_kv_head)]} for _ in range(cfg.n_layer)]
-        self.history = []  # (layer, head, t, sorted cached positions after the step) for hand-worked tests
+        self.layers = [_Layer(self, i) for i in range(cfg.n_layer)]  # what the model indexes
 
     def attend(self, layer, q, k, v, pos, mode):
         assert q.shape[0] == 1, "the reference runs one row"
@@ -45,7 +45,6 @@ class ReferenceCache:
                 out[0, qh, 0] = (p @ vals).to(q.dtype)
                 for j, pj in zip(cached, p.tolist()):  # 4. accumulate over the group's heads
                     score[j] += pj
-            self.history.append((layer, h, t, sorted(st["P"][j] for j in cached)))
         return out
 
     def _victim(self, cached, score, P, t):
@@ -98,6 +97,14 @@ class ReferenceCache:
             return newest_first[:r] + by_score(newest_first[r:])[:C - r]
         keep = self.policy.keep_score(torch.tensor(s), torch.arange(T), torch.tensor(T - 1)).tolist()
         return sorted(range(T), key=lambda j: (-keep[j], -j))[:C]
+
+
+class _Layer:
+    def __init__(self, cache: ReferenceCache, index: int):
+        self.cache, self.index = cache, index
+
+    def attend(self, q, k, v, pos, mode):
+        return self.cache.attend(self.index, q, k, v, pos, mode)
 
 
 def reference_logits(model, ids: list[int], policy: Policy, capacity: int, dense_prompt: int = 0,

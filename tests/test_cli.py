@@ -114,3 +114,23 @@ def test_truncated_safetensors(folder, tmp_path):
 ])
 def test_bad_eval_arguments(folder, args, needle):
     assert_one_line_error(run("eval", "ppl", "--model", folder, *args), needle)
+
+
+def test_bench_json_and_memory_cap(folder):
+    r = run("bench", "--model", folder, "--policy", "full", "--policy", "h2o", "--budget", "0.25", "--prompt-tokens", 24,
+            "--new-tokens", 8, "--no-compile", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    keys = {"policy", "budget", "capacity", "batch", "prompt_tokens", "new_tokens", "prefill_s", "decode_tok_s",
+            "kv_bytes", "peak_mem_bytes"}
+    assert [row["policy"] for row in rows] == ["full", "h2o"] and all(keys <= set(row) for row in rows)
+    assert rows[0]["capacity"] == 32 and rows[1]["capacity"] == 8
+    assert rows[1]["kv_bytes"] * 4 == rows[0]["kv_bytes"]  # a quarter of the slots, a quarter of the bytes
+    per_row_full = rows[0]["kv_bytes"]
+    r = run("bench", "--model", folder, "--policy", "full", "--policy", "h2o", "--budget", "0.25", "--prompt-tokens", 24,
+            "--new-tokens", 8, "--no-compile", "--json", "--kv-memory", 2 * per_row_full, "--vs-hf")
+    assert r.returncode == 0, r.stderr
+    full, h2o = [json.loads(line) for line in r.stdout.splitlines()]
+    assert (full["batch"], h2o["batch"]) == (2, 8)  # the largest batches whose caches fit the cap
+    assert h2o["hf_decode_tok_s"] > 0 and "vs_hf" in h2o
+    assert_one_line_error(run("bench", "--model", folder, "--kv-memory", "lots"), "not a size")

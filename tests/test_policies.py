@@ -23,7 +23,7 @@ def uniform_steps(policy, n, mode):
     seen = []
     for t in range(n):
         q, k, v = torch.zeros(1, 2, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)
-        cache.attend(0, q, k, v, torch.tensor([[t]]), mode)
+        cache.layers[0].attend(q, k, v, torch.tensor([[t]]), mode)
         lc = cache.layers[0]
         order = lc.pos[0, 0].argsort()
         kept = [(p, s) for p, s in zip(lc.pos[0, 0, order].tolist(), lc.score[0, 0, order].tolist()) if p >= 0]
@@ -51,18 +51,18 @@ def test_ties_evict_the_oldest(mode):
     lc = cache.layers[0]
     lc.pos[0, 0] = torch.tensor([5, 3, 7])  # slots hold positions out of order, as after evictions
     lc.score[0, 0] = torch.tensor([1.0, 1.0, 2.0])  # 5 and 3 tie for lowest: 3 is older
-    cache.attend(0, torch.zeros(1, 2, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), torch.tensor([[8]]), mode)
+    cache.layers[0].attend(torch.zeros(1, 2, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), torch.tensor([[8]]), mode)
     assert sorted(lc.pos[0, 0].tolist()) == [5, 7, 8]
 
 
 def test_dense_ties_keep_the_newest():
     cache = KVCache(CFG, HeavyHitter(heavy=2), 1, 2)
     q = torch.zeros(1, 2, 4, 4)  # uniform causal attention over 4 prompt tokens
-    cache.attend(0, q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None], "dense")
+    cache.layers[0].attend(q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None], "dense")
     # s = 2 * (1 + 1/2 + 1/3 + 1/4, 1/2 + 1/3 + 1/4, 1/3 + 1/4, 1/4): keep 0 and 1
     assert cache.layers[0].pos[0, 0].tolist() == [0, 1]
     cache = KVCache(CFG, Local(recent=2), 1, 2)
-    cache.attend(0, q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None], "dense")
+    cache.layers[0].attend(q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None], "dense")
     assert cache.layers[0].pos[0, 0].tolist() == [2, 3]
 
 

@@ -73,10 +73,10 @@ class LayerCache:
         B, n_head, T, D = q.shape
         H, S = k.shape[1], k.shape[2]
         g = n_head // H
+        qg = q.reshape(B, H, g * T, D)  # the query heads of a group side by side: K and V are never copied
         if not self.policy.needs_scores:
-            mask = mask.repeat_interleave(g, dim=1)  # (B, n_head, T, S)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=g > 1), None
-        qg = q.reshape(B, H, g * T, D)  # query heads of one group side by side
+            mask = mask[:, :, None].expand(B, H, g, T, S).reshape(B, H, g * T, S)
+            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, n_head, T, D), None
         logits = (qg @ k.transpose(-1, -2)).float() * self.scale  # (B, H, g*T, S)
         logits = logits.view(B, H, g, T, S).masked_fill(~mask[:, :, None], -torch.inf)
         probs = logits.softmax(-1)  # (B, H, g, T, S), fp32
@@ -148,7 +148,7 @@ class LayerCache:
 
 
 def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots):
-    """Steps 1-4 of the rule for the token at position t, over the virtual slots of `KVCache._stream`.
+    """Steps 1-4 of the rule for the token at position t, over the virtual slots of `LayerCache._stream`.
 
     score, pos: (B, H, S) fp32 / int64; alive (attendable) and member (in the cache, empty or not): (B, H, S)
     bool; logits: (B, H, g, S) this token's fp32 attention logits; t, ok: (B, 1, 1) its position and whether

@@ -11,6 +11,7 @@ from . import api
 from .errors import UserError
 from .bench import DEFAULT_TEXT, run_bench, table
 from .generate import Decoder, Sampling
+from .plot import kept_matrix, save_kept_plot
 from .policies import REGISTRY
 
 
@@ -183,6 +184,51 @@ def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens,
             click.echo(json.dumps(row))
     if not as_json:
         click.echo(table(rows))
+
+
+@cli.group()
+def plot():
+    """Pictures of what eviction does."""
+
+
+@plot.command(epilog="""\b
+Example:
+  h2o-mini plot kept --policy local --policy heavy_hitter --policy h2o --budget 64 --tokens 256 --out kept.png
+""")
+@model_options
+@click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)), help="repeat for panels "
+              "(default: local, heavy_hitter, h2o)")
+@click.option("--budget", default="64", show_default=True, help="C: a fraction of --tokens or a token count")
+@click.option("--recent", default=None, help="h2o's recent share of C")
+@click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True)
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(min=2))
+@click.option("--layer", default=0, show_default=True, type=int)
+@click.option("--head", default=0, show_default=True, type=int, help="KV head")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="a .png file")
+def kept(model, dtype, device, policies, budget, recent, text_path, tokens, layer, head, out):
+    """Which positions each policy keeps in the cache, step by step (one layer, one KV head)."""
+    text = read_text(text_path)
+    lm = api.load(model, dtype, device)
+    ids = lm.tokenizer.encode(text)[:tokens]
+    if len(ids) < tokens:
+        raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
+    matrices = {}
+    for name in policies or ("local", "heavy_hitter", "h2o"):
+        policy = api.as_policy(name, budget, tokens, recent)
+        label = f"{name} ({', '.join(f'{k}={v}' for k, v in vars(policy).items()) or 'all'})"
+        matrices[label] = kept_matrix(lm, ids, policy, layer, head)
+    save_kept_plot(matrices, Path(out), f"{lm.folder.name}: tokens kept, layer {layer}, KV head {head}")
+    click.echo(out)
+
+
+def read_text(text_path: str) -> str:
+    path = Path(text_path)
+    if not path.is_file():
+        raise UserError(f"text file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"text file {path} is not UTF-8") from None
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm import tqdm
 
 from .generate import Decoder
 from .model import Transformer
@@ -50,8 +51,8 @@ def _logprobs(decoder: Decoder, policy: Policy, x: torch.Tensor) -> tuple[torch.
     cache = decoder.new_cache(policy, 1, T)
     if cache.capacity >= T:  # nothing is ever evicted: one causal pass gives the same logits as streaming
         return model(x, pos)[0].log_softmax(-1), cache.capacity
-    parts = [model(x[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")[0].log_softmax(-1)
-             for s in range(0, T, chunk)]
+    chunks = tqdm(range(0, T, chunk), desc=f"eval {policy.name}", unit="chunk", disable=None, leave=False)
+    parts = [model(x[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")[0].log_softmax(-1) for s in chunks]
     return torch.cat(parts), cache.capacity
 
 

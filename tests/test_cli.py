@@ -134,3 +134,24 @@ def test_bench_json_and_memory_cap(folder):
     assert (full["batch"], h2o["batch"]) == (2, 8)  # the largest batches whose caches fit the cap
     assert h2o["hf_decode_tok_s"] > 0 and "vs_hf" in h2o
     assert_one_line_error(run("bench", "--model", folder, "--kv-memory", "lots"), "not a size")
+
+
+def test_plot_kept_writes_a_png(folder, tmp_path):
+    out = tmp_path / "kept.png"
+    r = run("plot", "kept", "--model", folder, "--policy", "local", "--policy", "h2o", "--budget", 8, "--tokens", 40,
+            "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob(".kept*"))
+    assert_one_line_error(run("plot", "kept", "--model", folder, "--layer", 9, "--out", out), "--layer")
+
+
+def test_kept_matrix_matches_the_cache(tiny_model):
+    """The picture's data: local keeps exactly the last C positions at every step."""
+    from h2o_mini.api import LM
+    from h2o_mini.plot import kept_matrix
+    from h2o_mini.policies import Local
+    from .conftest import text_bytes
+    lm = LM(tiny_model("llama_gqa_tied"), None, None)
+    kept = kept_matrix(lm, text_bytes(20), Local(recent=5), layer=1, head=1)
+    for t in range(20):
+        assert kept[:, t].nonzero().flatten().tolist() == list(range(max(0, t - 4), t + 1))

@@ -53,3 +53,15 @@ def test_dtypes_run_and_stay_close(tiny):
         got = load_hf(folder, dtype=dtype)(ids, torch.arange(32)[None])
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert (got - ref).abs().max().item() < 0.25  # half precision, same function
+
+
+def test_sharded_checkpoint_loads(tiny, tmp_path):
+    """model.safetensors.index.json with several shards loads to the same logits."""
+    from h2o_mini.weights.hf import load_hf
+    _, hf = tiny("neox_sequential")
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    ids = torch.tensor([text_bytes(40)])
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert (load_hf(tmp_path)(ids, torch.arange(40)[None]) - want).abs().max().item() <= 1e-4

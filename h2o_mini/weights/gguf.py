@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from ..errors import UserError
 
@@ -50,7 +51,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         raise UserError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only llama)")
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
     tensors = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
         for pattern, template in _NAMES:
             if re.fullmatch(pattern, t.name):
                 name = re.sub(pattern, template, t.name)

@@ -1,5 +1,6 @@
 """h2o-mini: a small, exact, pure-PyTorch reference implementation of H2O KV-cache eviction
 (Zhang et al., 2023, arXiv 2306.14048) for OPT, LLaMA (GQA) and GPT-NeoX checkpoints."""
+from .api import generate, load, perplexity, stream
 from .config import Config
 from .errors import UserError
 from .policies import H2O, REGISTRY, Full, HeavyHitter, Local, Policy, Sinks, make_policy
@@ -7,11 +8,4 @@ from .policies import H2O, REGISTRY, Full, HeavyHitter, Local, Policy, Sinks, ma
 __version__ = "0.1.0"
 
 __all__ = ["Config", "UserError", "Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O",
-           "Sinks", "load", "generate"]
-
-
-def __getattr__(name):  # the heavy imports (model, tokenizer) only when asked for
-    if name in ("load", "generate"):
-        from . import api
-        return getattr(api, name)
-    raise AttributeError(name)
+           "Sinks", "load", "generate", "stream", "perplexity"]

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,21 +70,31 @@ def encode_prompts(lm: LM, prompts: list[str], chat: bool = False) -> list[list[
     return ids
 
 
-def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", budget=None, recent=None,
-             max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
-             seed: int | None = None, chat: bool = False, compile: bool = False) -> str | list[str]:
-    """Completions (text after each prompt, cut at the first EOS). One string in, one string out."""
-    single = isinstance(prompts, str)
-    ids = encode_prompts(lm, [prompts] if single else prompts, chat)
+def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=None, recent=None,
+           max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
+           seed: int | None = None, chat: bool = False, compile: bool = False) -> Iterator[list[list[int]]]:
+    """After every decode step, the new token ids of every row so far, each cut at its first EOS."""
+    ids = encode_prompts(lm, prompts, chat)
     pol = as_policy(policy, budget, max(len(i) for i in ids) + max_new_tokens, recent)
-    rows = [[] for _ in ids]
-    ended = [False] * len(ids)
+    rows, ended = [[] for _ in ids], [False] * len(ids)
     for token in Decoder(lm.model, compile=compile).generate(ids, pol, max_new_tokens, prefill, sampling,
                                                              lm.eos_ids, seed):
         for r, t in enumerate(token.tolist()):
             ended[r] = ended[r] or t in lm.eos_ids
             if not ended[r]:
                 rows[r].append(t)
+        yield rows
+
+
+def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", budget=None, recent=None,
+             max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
+             seed: int | None = None, chat: bool = False, compile: bool = False) -> str | list[str]:
+    """Completions (text after each prompt, cut at the first EOS). One string in, one string out."""
+    single = isinstance(prompts, str)
+    rows = [[] for _ in ([prompts] if single else prompts)]
+    for rows in stream(lm, [prompts] if single else prompts, policy, budget, recent, max_new_tokens, prefill,
+                       sampling, seed, chat, compile):
+        pass
     texts = [lm.tokenizer.decode(r) for r in rows]
     return texts[0] if single else texts
 

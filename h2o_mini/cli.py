@@ -10,7 +10,7 @@ import click
 from . import api
 from .errors import UserError
 from .bench import DEFAULT_TEXT, run_bench, table
-from .generate import Decoder, Sampling
+from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
 from .policies import REGISTRY
 
@@ -78,15 +78,10 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
     if not prompts:
         raise UserError(f"prompts file {prompts_file} has no prompts")
     lm = api.load(model, dtype, device)
-    ids = api.encode_prompts(lm, prompts, chat)
-    pol = api.as_policy(policy, budget, max(len(i) for i in ids) + max_new_tokens, recent)
-    decoder = Decoder(lm.model, compile=device.startswith("cuda") if compile is None else compile)
-    sampling = Sampling(temperature, top_k, top_p)
-    rows, ended, shown = [[] for _ in ids], [False] * len(ids), ""
-    for token in decoder.generate(ids, pol, max_new_tokens, prefill, sampling, lm.eos_ids, seed):
-        for r, t in enumerate(token.tolist()):
-            ended[r] = ended[r] or t in lm.eos_ids
-            rows[r] += [] if ended[r] else [t]
+    compile = device.startswith("cuda") if compile is None else compile
+    rows, shown = [], ""
+    for rows in api.stream(lm, prompts, policy, budget, recent, max_new_tokens, prefill,
+                           Sampling(temperature, top_k, top_p), seed, chat, compile):
         if len(prompts) == 1:  # stream: print what the new token adds to the decoded text
             text = lm.tokenizer.decode(rows[0])
             if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
@@ -167,11 +162,13 @@ Examples:
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
               help="run the configurations interleaved N times; report the median")
 @click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
-@click.option("--compile/--no-compile", default=True, show_default=True, help="compile the decode step")
+@click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda; on "
+              "CPU it does not pay, see docs/benchmarks.md)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, text_path,
           sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, as_json):
     """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side."""
+    compile = device.startswith("cuda") if compile is None else compile
     if sweep:
         policies = policies or ("full", "local", "heavy_hitter", "h2o")
         budgets = budgets or ("0.1", "0.2", "0.5")

@@ -53,6 +53,10 @@ def test_greedy_generation_is_sensible_english(lm):
     assert "Paris" in out
     out = api.generate(lm, "The capital of France is", policy="h2o", budget=0.5, max_new_tokens=12)
     assert "Paris" in out
+    import h2o_mini  # the README's API: a policy object, a batch of prompts
+    outs = h2o_mini.generate(lm, ["The capital of France is", "Paris is the capital of"],
+                             policy=h2o_mini.H2O(heavy=6, recent=6), max_new_tokens=12)
+    assert "Paris" in outs[0] and "France" in outs[1]
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_file):

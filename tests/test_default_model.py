@@ -53,10 +53,12 @@ def test_greedy_generation_is_sensible_english(lm):
     assert "Paris" in out
     out = api.generate(lm, "The capital of France is", policy="h2o", budget=0.5, max_new_tokens=12)
     assert "Paris" in out
-    import h2o_mini  # the README's API: a policy object, a batch of prompts
-    outs = h2o_mini.generate(lm, ["The capital of France is", "Paris is the capital of"],
-                             policy=h2o_mini.H2O(heavy=6, recent=6), max_new_tokens=12)
-    assert "Paris" in outs[0] and "France" in outs[1]
+    import h2o_mini  # the README's API: a policy object, a batch of prompts, each row as if alone
+    policy = h2o_mini.H2O(heavy=6, recent=6)
+    prompts = ["The capital of France is", "Once upon a time, in a small village,"]
+    outs = h2o_mini.generate(lm, prompts, policy=policy, max_new_tokens=12)
+    assert "Paris" in outs[0]
+    assert outs == [h2o_mini.generate(lm, p, policy=policy, max_new_tokens=12) for p in prompts]
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_file):

@@ -23,10 +23,11 @@ def step_seconds(decoder, policy, batch, length, at, steps=5):
     model = decoder.model
     cache = decoder.new_cache(policy, batch, length)
     C = cache.capacity
-    for lc in cache.layers:  # a full cache holding the C most recent positions before `at`
+    n = min(C, at)
+    for lc in cache.layers:  # the cache holding the n most recent positions before `at`
         lc.k.normal_()
         lc.v.normal_()
-        lc.pos.copy_(torch.arange(max(0, at - C), at)[None, None].expand_as(lc.pos))
+        lc.pos[..., :n] = torch.arange(at - n, at)
         lc.score.uniform_()
     token, pos = torch.full((batch, 1), 100), torch.full((batch, 1), at)
     for i in range(2):  # warm-up (and compilation)

@@ -19,7 +19,7 @@ def _auto(folder):
 
 
 def _bpe(folder):
-    from tokenizers import Tokenizer as T, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as T, decoders, models, pre_tokenizers, trainers
     tok = T(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -61,6 +61,17 @@ def as_policy(policy: str | Policy, budget, length: int, recent=None) -> Policy:
     return policy if isinstance(policy, Policy) else make_policy(policy, budget, length, recent)
 
 
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents, or a one-line UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"text file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"text file {path} is not UTF-8") from None
+
+
 def encode_prompts(lm: LM, prompts: list[str], chat: bool = False) -> list[list[int]]:
     if chat:
         return [lm.tokenizer.encode(lm.tokenizer.apply_chat_template(p), special=False) for p in prompts]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .api import LM
+from .api import LM, read_text
 from .cache import KVCache
 from .errors import UserError
-from .generate import Decoder, left_pad
+from .generate import Decoder, cache_capacity, left_pad
 from .policies import make_policy
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -26,9 +26,7 @@ DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 def text_prompts(lm: LM, text: Path, batch: int, prompt_tokens: int) -> list[list[int]]:
     """`batch` prompts of `prompt_tokens` tokens each, cut from the text at different offsets (wrapping)."""
-    if not text.is_file():
-        raise UserError(f"text file {text} does not exist")
-    ids = lm.tokenizer.encode(text.read_text(encoding="utf-8"), special=False)
+    ids = lm.tokenizer.encode(read_text(text), special=False)
     if len(ids) < 2:
         raise UserError(f"text file {text} is too short")
     while len(ids) < prompt_tokens + 97 * batch:
@@ -96,8 +94,8 @@ def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, pr
 
 def kv_bytes_per_row(lm: LM, policy_name: str, budget, length: int, recent=None) -> int:
     policy = make_policy(policy_name, budget, length, recent)
-    capacity = min(policy.capacity or length, length)
-    return KVCache(lm.model.cfg, policy, 1, capacity, dtype=next(lm.model.parameters()).dtype, device="meta").nbytes
+    dtype = next(lm.model.parameters()).dtype
+    return KVCache(lm.model.cfg, policy, 1, cache_capacity(policy, length), dtype=dtype, device="meta").nbytes
 
 
 @torch.inference_mode()

@@ -67,10 +67,7 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
              temperature, top_k, top_p, seed, chat, compile):
     """Generate text after PROMPT (streamed to stdout), under a KV-cache eviction policy."""
     if prompts_file:
-        path = Path(prompts_file)
-        if not path.is_file():
-            raise UserError(f"prompts file {path} does not exist")
-        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+        prompts = [line for line in api.read_text(prompts_file).splitlines() if line.strip()]
     elif prompt is not None:
         prompts = [prompt]
     else:
@@ -116,13 +113,7 @@ Examples:
               "for cuda; on CPU a compiled call costs more than the small ops it fuses)")
 def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare_full, chunk, as_json, compile):
     """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode."""
-    path = Path(text_path)
-    if not path.is_file():
-        raise UserError(f"text file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"text file {path} is not UTF-8") from None
+    text = api.read_text(text_path)
     lm = api.load(model, dtype, device)
     compile = device.startswith("cuda") if compile is None else compile
     result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile)
@@ -204,7 +195,7 @@ Example:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="a .png file")
 def kept(model, dtype, device, policies, budget, recent, text_path, tokens, layer, head, out):
     """Which positions each policy keeps in the cache, step by step (one layer, one KV head)."""
-    text = read_text(text_path)
+    text = api.read_text(text_path)
     lm = api.load(model, dtype, device)
     ids = lm.tokenizer.encode(text)[:tokens]
     if len(ids) < tokens:
@@ -216,16 +207,6 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
         matrices[label] = kept_matrix(lm, ids, policy, layer, head)
     save_kept_plot(matrices, Path(out), f"{lm.folder.name}: tokens kept, layer {layer}, KV head {head}")
     click.echo(out)
-
-
-def read_text(text_path: str) -> str:
-    path = Path(text_path)
-    if not path.is_file():
-        raise UserError(f"text file {path} does not exist")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"text file {path} is not UTF-8") from None
 
 
 def main() -> None:

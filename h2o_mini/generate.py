@@ -62,6 +62,11 @@ def layerwise_decode_step(block_fn, model: Transformer, cache: KVCache, token, p
     return model.head(x)[:, -1]
 
 
+def cache_capacity(policy: Policy, length: int) -> int:
+    """Slots to allocate for a sequence of `length` tokens: C, capped at L (C >= L never evicts)."""
+    return min(policy.capacity or length, length)
+
+
 def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(idx, pos), both (B, T): prompts right-aligned; padding has token `pad_id` and a negative position."""
     T = max(len(p) for p in prompts)
@@ -94,9 +99,8 @@ class Decoder:
 
     def new_cache(self, policy: Policy, batch: int, length: int) -> KVCache:
         p = next(self.model.parameters())
-        capacity = min(policy.capacity or length, length)  # C >= L never evicts: no need for more slots
-        return KVCache(self.model.cfg, policy, batch, capacity, dtype=p.dtype, device=p.device,
-                       token_fn=self.token_fn)
+        return KVCache(self.model.cfg, policy, batch, cache_capacity(policy, length), dtype=p.dtype,
+                       device=p.device, token_fn=self.token_fn)
 
     def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str, length: int) -> torch.Tensor:
         """Run the prompts into the cache; returns the last position's logits (B, V).

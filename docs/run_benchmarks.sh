@@ -7,8 +7,9 @@ out=${1:-docs/results}
 mkdir -p "$out"
 gpl=/usr/share/common-licenses/GPL-3
 # Quality at budget 0.2 (issue 3): the four policies on 1024 tokens, with fidelity to full.
+budget() { [ "$1" = full ] || echo "--budget 0.2"; }  # full takes no budget
 for p in full local heavy_hitter h2o; do
-  h2o-mini eval ppl --text $gpl --tokens 1024 --policy $p --budget 0.2 --compare-full --json
+  h2o-mini eval ppl --text $gpl --tokens 1024 --policy $p $(budget $p) --compare-full --json
 done > "$out/eval_1024.jsonl"
 # Target 1: compiled decode vs transformers generate, batch 1, 128 new tokens (and eager, for reference).
 h2o-mini bench --policy full --prompt-tokens 128 --new-tokens 128 --repeat 3 --vs-hf --compile --json > "$out/t1_compiled_vs_hf.jsonl"
@@ -21,7 +22,7 @@ h2o-mini bench --policy full --policy h2o --budget 0.2 --batch 8 --prompt-tokens
 h2o-mini bench --kv-memory 256MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 2048 --json > "$out/t4_memory_capped.jsonl"
 # Target 5: eval ppl of 4096 tokens, h2o 0.2 vs full.
 for p in full h2o; do
-  h2o-mini eval ppl --text $gpl --tokens 4096 --policy $p --budget 0.2 --json
+  h2o-mini eval ppl --text $gpl --tokens 4096 --policy $p $(budget $p) --json
 done > "$out/t5_eval_4096.jsonl"
 # Decode-step cost at the shapes of targets 3 and 4, eager vs compiled (cache filled with random K/V).
 python docs/step_cost.py > "$out/step_cost.txt"

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from .weights.hf import load_hf
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+PREFILL = ("dense", "stream")
 
 
 @dataclass
@@ -47,46 +50,91 @@ def resolve_model(model: str | Path | None) -> Path:
     return Path(model)
 
 
+def check_device(device: str) -> str:
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"unknown device {device!r} (choose cpu, cuda or cuda:N)")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} asked for, but no CUDA device is available")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def load(model: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LM:
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but no CUDA device is available")
+    check_device(device)
     folder = resolve_model(model)
     lm = load_hf(folder, DTYPES[dtype], device)
-    return LM(lm, Tokenizer(folder), folder)
+    tokenizer = Tokenizer(folder)
+    if tokenizer.vocab_size > lm.cfg.vocab_size:
+        raise UserError(f"{folder}: the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                        f"{lm.cfg.vocab_size} embeddings")
+    return LM(lm, tokenizer, folder)
 
 
 def as_policy(policy: str | Policy, budget, length: int, recent=None) -> Policy:
-    return policy if isinstance(policy, Policy) else make_policy(policy, budget, length, recent)
+    if isinstance(policy, Policy):
+        if budget is not None or recent is not None:
+            raise UserError("give either a Policy object or budget/recent with a policy name, not both")
+        return policy
+    return make_policy(policy, budget, length, recent)
 
 
-def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's contents, or a one-line UserError."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"text file {path} does not exist")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"text file {path} is not UTF-8") from None
-
-
-def encode_prompts(lm: LM, prompts: list[str], chat: bool = False) -> list[list[int]]:
+def encode_prompts(lm: LM, prompts: list[str], chat: bool | None = None) -> list[list[int]]:
+    """Token ids of each prompt. chat: wrap each in the checkpoint's chat template; None: when it has one
+    (an instruct model answers a bare prompt with its end token at once)."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise UserError("give at least one prompt (a string, or a non-empty list of strings)")
+    for p in prompts:
+        if not isinstance(p, str):
+            raise UserError(f"a prompt must be a string, not {type(p).__name__}")
+        if not p.strip():
+            raise UserError("a prompt is empty or only whitespace")
+    if chat is None:
+        chat = bool(lm.tokenizer.chat_template)
     if chat:
         return [lm.tokenizer.encode(lm.tokenizer.apply_chat_template(p), special=False) for p in prompts]
-    ids = [lm.tokenizer.encode(p) for p in prompts]
-    if any(len(i) == 0 for i in ids):
-        raise UserError("a prompt is empty (it encodes to no tokens)")
-    return ids
+    return [lm.tokenizer.encode(p) for p in prompts]
+
+
+def room_for(lm: LM, prompt_len: int, max_new_tokens: int, log=None) -> int:
+    """`max_new_tokens`, capped so that the sequence fits the model's positions (said in one line), so no
+    cache is ever allocated past what the model can place. A prompt that already fills them is the
+    model's `check_length` call: refused for learned positions, a warning for RoPE."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens {max_new_tokens!r} must be an integer >= 1")
+    cfg = lm.model.cfg
+    room = cfg.max_seq_len - prompt_len
+    if room < 1:
+        cfg.check_length(prompt_len + max_new_tokens, f"a prompt of {prompt_len} tokens", log)
+        return max_new_tokens
+    if max_new_tokens > room:
+        (log or _stderr)(f"h2o-mini: note: generating at most {room} new tokens, not {max_new_tokens}: the model "
+                         f"places {cfg.max_seq_len} positions and the prompt takes {prompt_len}")
+    return min(max_new_tokens, room)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=None, recent=None,
            max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
-           seed: int | None = None, chat: bool = False, compile: bool = False) -> Iterator[list[list[int]]]:
-    """After every decode step, the new token ids of every row so far, each cut at its first EOS."""
+           seed: int | None = None, chat: bool | None = None, compile: bool = False) -> Iterator[list[list[int]]]:
+    """After every decode step, the new token ids of every row so far, each cut at its first EOS.
+    In a batch, a fractional budget is taken of the longest row (longest prompt + max_new_tokens), so every
+    row gets the same C; give a token count to make C independent of the other prompts."""
+    if prefill not in PREFILL:
+        raise UserError(f"unknown prefill mode {prefill!r} (choose from {', '.join(PREFILL)})")
+    if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise UserError(f"seed {seed!r} must be an integer in [0, 2**63)")
     ids = encode_prompts(lm, prompts, chat)
-    pol = as_policy(policy, budget, max(len(i) for i in ids) + max_new_tokens, recent)
+    longest = max(len(i) for i in ids)
+    max_new_tokens = room_for(lm, longest, max_new_tokens)
+    pol = as_policy(policy, budget, longest + max_new_tokens, recent)
     rows, ended = [[] for _ in ids], [False] * len(ids)
     for token in Decoder(lm.model, compile=compile).generate(ids, pol, max_new_tokens, prefill, sampling,
                                                              lm.eos_ids, seed):
@@ -99,10 +147,11 @@ def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=Non
 
 def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", budget=None, recent=None,
              max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
-             seed: int | None = None, chat: bool = False, compile: bool = False) -> str | list[str]:
-    """Completions (text after each prompt, cut at the first EOS). One string in, one string out."""
+             seed: int | None = None, chat: bool | None = None, compile: bool = False) -> str | list[str]:
+    """Completions (text after each prompt, cut at the first EOS). One string in, one string out.
+    chat=None wraps prompts in the checkpoint's chat template when it has one; False feeds them raw."""
     single = isinstance(prompts, str)
-    rows = [[] for _ in ([prompts] if single else prompts)]
+    rows = []
     for rows in stream(lm, [prompts] if single else prompts, policy, budget, recent, max_new_tokens, prefill,
                        sampling, seed, chat, compile):
         pass
@@ -112,10 +161,14 @@ def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", bu
 
 def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
                compare_full: bool = False, chunk: int = 256, compile: bool = False) -> dict:
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
+        raise UserError(f"--tokens {tokens!r} must be an integer >= 2 (one prediction)")
     ids = lm.tokenizer.encode(text)
     if tokens > len(ids):
         raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
-    if tokens < 2:
-        raise UserError("--tokens must be at least 2 (one prediction)")
+    lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
     pol = as_policy(policy, budget, tokens, recent)
-    return score_text(lm.model, ids[:tokens], pol, chunk=chunk, compare_full=compare_full, compile=compile)
+    result = score_text(lm.model, ids[:tokens], pol, chunk=chunk, compare_full=compare_full, compile=compile)
+    if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
+        raise UserError(f"the model gave non-finite log-probabilities on this text ({result})")
+    return result

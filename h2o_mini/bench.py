@@ -7,6 +7,7 @@ a real text. The decode step is warmed up (and compiled, if asked) on a scratch 
 """
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .api import LM, read_text
+from .api import LM
+from .files import read_text
 from .cache import KVCache
 from .errors import UserError
 from .generate import Decoder, cache_capacity, left_pad
-from .policies import make_policy
+from .policies import REGISTRY, make_policy
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -87,7 +89,7 @@ def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, pr
     return {"policy": policy.name, "budget": budget, "capacity": cache.capacity, "batch": batch,
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill": prefill, "same_prompt": same_prompt,
             "prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
-            "decode_tok_s": round(batch * (new_tokens - 1) / (t2 - t1), 3), "kv_bytes": cache.nbytes,
+            "decode_tok_s": rate(batch * (new_tokens - 1), t2 - t1), "kv_bytes": cache.nbytes,
             "peak_mem_bytes": _peak(device), "compiled": decoder.compiled,
             "device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
 
@@ -98,11 +100,26 @@ def kv_bytes_per_row(lm: LM, policy_name: str, budget, length: int, recent=None)
     return KVCache(lm.model.cfg, policy, 1, cache_capacity(policy, length), dtype=dtype, device="meta").nbytes
 
 
+class _StepClock:
+    """A transformers streamer that only notes the time of each `put`: the prompt, then every new token."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def bench_hf(folder: Path, batch: int, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype,
              device: torch.device) -> dict:
-    """transformers' own `generate` (greedy, full cache) on the same checkpoint and prompts: decode tokens/s
-    from the difference between a 1-token and an N-token generation."""
+    """transformers' own `generate` (greedy, full cache) on the same checkpoint and prompts. The decode
+    steps are timed themselves: a streamer stamps the clock as each new token arrives, and the rate is
+    batch x (new_tokens - 1) over the time from the first new token to the last (always positive)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -111,16 +128,21 @@ def bench_hf(folder: Path, batch: int, prompts: list[list[int]], new_tokens: int
     x = torch.tensor(prompts, device=device)
     mask = torch.ones_like(x)
 
-    def timed(n: int) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        hf.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        _sync(device)
-        return time.perf_counter() - t0
+    def timed(n: int) -> list[float]:
+        clock = _StepClock(device)
+        hf.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                    streamer=clock)
+        return clock.times
 
     timed(2)  # warm-up
-    one, full = timed(1), timed(new_tokens)
-    return {"hf_prefill_s": round(one, 4), "hf_decode_tok_s": round(batch * (new_tokens - 1) / (full - one), 3)}
+    times = timed(new_tokens)  # [prompt, token 1, ..., token n]
+    return {"hf_prefill_s": round(times[1] - times[0], 4), "hf_decode_tok_s": rate(batch * (new_tokens - 1),
+                                                                                  times[-1] - times[1])}
+
+
+def rate(count: int, seconds: float) -> float | None:
+    """count / seconds, rounded; None where the clock saw no time pass (never negative or infinite)."""
+    return round(count / seconds, 3) if seconds > 0 else None
 
 
 def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int, new_tokens: int, prefill: str,
@@ -130,37 +152,48 @@ def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int,
     largest batch whose cache fits the cap (how the paper's throughput gain arises). With `repeat` > 1 the
     configurations run interleaved that many times and each row reports the median decode tokens/s (the
     machine is shared and noisy: side-by-side ratios need it)."""
+    cap = parse_bytes(kv_memory) if kv_memory else None
     policies = policies or ("full",)
+    if budgets and all(p == "full" for p in policies):
+        raise UserError("policy 'full' keeps every token: --budget does not apply to it")
+    if recent is not None and not any(REGISTRY[p].takes_recent for p in policies):
+        raise UserError(f"--recent does not apply to {', '.join(policies)}")
     budgets = budgets or ("0.2",)
     configs = list(dict.fromkeys((p, None if p == "full" else b) for p in policies for b in budgets))
+    length = prompt_tokens + new_tokens
+    lm.model.cfg.check_length(length, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
+    batches = {}
+    for policy, budget in configs:  # every configuration checked before the first one runs
+        per_row = kv_bytes_per_row(lm, policy, budget, length, recent if REGISTRY[policy].takes_recent else None)
+        batches[policy, budget] = batch if cap is None else min(max_batch, cap // per_row)
+        if batches[policy, budget] < 1:
+            raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
     decoder = Decoder(lm.model, compile=compile)
     param = next(lm.model.parameters())
-    length = prompt_tokens + new_tokens
-    cap = parse_bytes(kv_memory) if kv_memory else None
-    batches = {}
-    for policy, budget in configs:
-        batches[policy, budget] = batch
-        if cap is not None:
-            per_row = kv_bytes_per_row(lm, policy, budget, length, recent)
-            batches[policy, budget] = min(max_batch, cap // per_row)
-            if batches[policy, budget] < 1:
-                raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
     runs = {config: [] for config in configs}
     for r in range(repeat):
         for (policy, budget), b in batches.items():
             log(f"bench: {policy} budget={budget} batch={b} prompt={prompt_tokens} new={new_tokens} run {r + 1}/{repeat}")
             runs[policy, budget].append(bench_one(lm, decoder, policy, budget, b, prompt_tokens, new_tokens, prefill,
-                                                  recent, text, same_prompt))
-    for (policy, budget), b in batches.items():
-        done = sorted(runs[policy, budget], key=lambda row: row["decode_tok_s"])
-        row = dict(done[len(done) // 2], decode_tok_s_runs=[x["decode_tok_s"] for x in runs[policy, budget]])
-        if cap is not None:
-            row["kv_memory_cap"] = cap
-        if vs_hf:
-            prompts = text_prompts(lm, text, b, prompt_tokens)
-            row.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
-            row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3)
-        yield row
+                                                  recent if REGISTRY[policy].takes_recent else None, text,
+                                                  same_prompt))
+            if r == repeat - 1:  # this configuration's last run: its row is ready now
+                yield _row(runs[policy, budget], cap, vs_hf and (lm, text, b, prompt_tokens, new_tokens, param))
+
+
+def _row(runs: list[dict], cap: int | None, hf) -> dict:
+    """The median run of one configuration, with the HF comparison when asked."""
+    done = sorted(runs, key=lambda row: row["decode_tok_s"] or 0.0)
+    row = dict(done[len(done) // 2], decode_tok_s_runs=[x["decode_tok_s"] for x in runs])
+    if cap is not None:
+        row["kv_memory_cap"] = cap
+    if hf:
+        lm, text, b, prompt_tokens, new_tokens, param = hf
+        prompts = text_prompts(lm, text, b, prompt_tokens)
+        row.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
+        both = row["decode_tok_s"] and row["hf_decode_tok_s"]
+        row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
+    return row
 
 
 def parse_bytes(text: str) -> int:
@@ -172,7 +205,7 @@ def parse_bytes(text: str) -> int:
         value = float(num) * units[t[len(num):]]
     except (ValueError, KeyError):
         raise UserError(f"--kv-memory {text!r} is not a size (e.g. 1000000, 512MB, 2GiB)") from None
-    if value < 1:
+    if not math.isfinite(value) or value < 1:
         raise UserError(f"--kv-memory {text!r} must be positive")
     return int(value)
 

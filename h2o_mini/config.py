@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,89 +58,169 @@ class Config:
         if not path.is_file():
             raise UserError(f"no config.json in {folder}")
         try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            hf = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
             raise UserError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(hf, dict):
+            raise UserError(f"{path} must hold a JSON object, not {type(hf).__name__}")
         kind = hf.get("model_type")
         if kind not in _READERS:
             raise UserError(f"unknown model_type {kind!r} in {path} (supported: {', '.join(_READERS)})")
-        try:
-            return _READERS[kind](hf)
-        except KeyError as e:
-            raise UserError(f"{path} lacks the key {e.args[0]!r} that a {kind} config needs") from None
+        cfg = _READERS[kind](Fields(hf, path))
+        cfg.check(path)
+        return cfg
+
+    def check(self, path) -> None:
+        """Consistency of the numbers read (each one was type-checked where it was read)."""
+        if self.n_head % self.n_kv_head:
+            raise UserError(f"{path}: {self.n_head} attention heads do not split into {self.n_kv_head} KV heads")
+        if self.rotary_dim % 2:
+            raise UserError(f"{path}: the rotary dimension {self.rotary_dim} must be even")
+        if self.rope_llama3 is not None and self.rope_llama3[2] <= self.rope_llama3[1]:
+            raise UserError(f"{path}: rope_scaling needs high_freq_factor > low_freq_factor")
+
+    def check_length(self, length: int, what: str, log=None) -> None:
+        """A sequence of `length` tokens against the model's positions. Learned position embeddings (OPT) end
+        at `max_seq_len`: refused. RoPE (LLaMA, NeoX) extrapolates: a one-line warning, then on."""
+        if length <= self.max_seq_len:
+            return
+        if self.learned_pos:
+            raise UserError(f"{what} needs {length} positions, but this {self.family} model has {self.max_seq_len} "
+                            "(learned position embeddings end there)")
+        (log or _warn)(f"h2o-mini: warning: {what} reaches position {length}, past the {self.max_seq_len} "
+                       "positions this model was trained on (RoPE extrapolates; quality may drop)")
 
 
-def _rope(hf: dict) -> dict:
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+_REQUIRED = object()
+
+
+class Fields:
+    """Typed access to a config.json object: every value is checked where it is read, so a wrong type or
+    a nonsensical number is a one-line UserError naming the key, never a crash later."""
+
+    def __init__(self, hf: dict, path: Path):
+        self.hf, self.path = hf, path
+
+    def get(self, key: str, kind, default=_REQUIRED):
+        value = self.hf.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise UserError(f"{self.path} lacks the key {key!r}")
+            return default
+        ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
+              dict: lambda v: isinstance(v, dict)}[kind]
+        if not ok(value):
+            raise UserError(f"{self.path}: {key!r} is {value!r}, expected {'a finite number' if kind is float else kind.__name__}")
+        return float(value) if kind is float else value
+
+    def count(self, key: str, default=_REQUIRED, low: int = 1) -> int:
+        """A positive integer (a size, a count of heads or layers)."""
+        value = self.get(key, int, default)
+        if value < low or value > 2**31:
+            raise UserError(f"{self.path}: {key!r} is {value}, expected an integer in [{low}, 2**31]")
+        return value
+
+    def positive(self, key: str, default=_REQUIRED) -> float:
+        value = self.get(key, float, default)
+        if value <= 0:
+            raise UserError(f"{self.path}: {key!r} is {value}, expected a positive number")
+        return value
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        value = self.hf.get(key)
+        values = value if isinstance(value, list) else ([] if value is None else [value])
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise UserError(f"{self.path}: {key!r} is {value!r}, expected a token id or a list of them")
+        return tuple(values)
+
+    def token_id(self, key: str) -> int | None:
+        ids = self.token_ids(key)
+        return ids[0] if ids else None
+
+
+def _rope(f: Fields) -> dict:
     """RoPE settings from either the transformers 4 keys (rope_theta, rope_scaling, rotary_pct) or the
     transformers 5 `rope_parameters` dict."""
-    params = dict(hf.get("rope_scaling") or {})
-    params.update(hf.get("rope_parameters") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    params = dict(f.get("rope_scaling", dict, {}))
+    params.update(f.get("rope_parameters", dict, {}))
+    p = Fields(params, f"{f.path} (rope parameters)")
+    theta = p.positive("rope_theta", f.positive("rope_theta", f.positive("rotary_emb_base", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     llama3 = None
     if kind == "llama3":
-        llama3 = (float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
-                  int(params["original_max_position_embeddings"]))
+        llama3 = (p.positive("factor"), p.positive("low_freq_factor"), p.positive("high_freq_factor"),
+                  p.count("original_max_position_embeddings"))
     elif kind not in ("default", None):
         raise UserError(f"unsupported rope type {kind!r} (supported: default, llama3)")
-    share = params.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("partial_rotary_factor", 1.0)))
-    return {"rope_theta": float(theta), "rope_llama3": llama3, "share": float(share)}
+    share = p.positive("partial_rotary_factor", f.positive("rotary_pct", f.positive("partial_rotary_factor", 1.0)))
+    if share > 1:
+        raise UserError(f"{f.path}: the rotary share {share} must be in (0, 1]")
+    return {"rope_theta": theta, "rope_llama3": llama3, "share": share}
 
 
-def _eos(hf: dict) -> tuple[int, ...]:
-    eos = hf.get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+def _head_dim(f: Fields, d: int, n_head: int, key: str | None = None) -> int:
+    if key and f.hf.get(key):
+        return f.count(key)
+    if d % n_head:
+        raise UserError(f"{f.path}: hidden_size {d} is not a multiple of num_attention_heads {n_head}")
+    return d // n_head
 
 
-def _llama(hf: dict) -> Config:
-    n_head = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-    rope = _rope(hf)
+def _llama(f: Fields) -> Config:
+    n_head, d = f.count("num_attention_heads"), f.count("hidden_size")
+    head_dim = _head_dim(f, d, n_head, "head_dim")
+    rope = _rope(f)
+    bias = f.get("attention_bias", bool, False)
     return Config(
-        family="llama", vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head, d_model=hf["hidden_size"], head_dim=head_dim,
-        d_ff=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm="rms", norm_eps=hf.get("rms_norm_eps", 1e-6), act=_act(hf.get("hidden_act", "silu")),
+        family="llama", vocab_size=f.count("vocab_size"), n_layer=f.count("num_hidden_layers"), n_head=n_head,
+        n_kv_head=f.count("num_key_value_heads", n_head), d_model=d, head_dim=head_dim,
+        d_ff=f.count("intermediate_size"), max_seq_len=f.count("max_position_embeddings", 2048),
+        norm="rms", norm_eps=f.positive("rms_norm_eps", 1e-6), act=_act(f.get("hidden_act", str, "silu")),
         gated_mlp=True, rotary_dim=int(head_dim * rope["share"]), rope_theta=rope["rope_theta"],
-        rope_llama3=rope["rope_llama3"], attn_bias=hf.get("attention_bias", False),
-        out_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
-        tie_embeddings=hf.get("tie_word_embeddings", False), bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=_eos(hf),
+        rope_llama3=rope["rope_llama3"], attn_bias=bias, out_bias=bias, mlp_bias=f.get("mlp_bias", bool, False),
+        tie_embeddings=f.get("tie_word_embeddings", bool, False), bos_token_id=f.token_id("bos_token_id"),
+        eos_token_id=f.token_ids("eos_token_id"),
     )
 
 
-def _opt(hf: dict) -> Config:
-    d = hf["hidden_size"]
-    if not hf.get("layer_norm_elementwise_affine", True):
+def _opt(f: Fields) -> Config:
+    d, n_head = f.count("hidden_size"), f.count("num_attention_heads")
+    if not f.get("layer_norm_elementwise_affine", bool, True):
         raise UserError("OPT with layer_norm_elementwise_affine=false is not supported")
-    before = hf.get("do_layer_norm_before", True)
-    bias = hf.get("enable_bias", True)
+    before = f.get("do_layer_norm_before", bool, True)
+    bias = f.get("enable_bias", bool, True)
     return Config(
-        family="opt", vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
-        n_head=hf["num_attention_heads"], n_kv_head=hf["num_attention_heads"], d_model=d,
-        head_dim=d // hf["num_attention_heads"], d_ff=hf["ffn_dim"], max_seq_len=hf["max_position_embeddings"],
-        norm="layer", norm_eps=1e-5, act=_act(hf.get("activation_function", "relu")), gated_mlp=False,
-        norm_before=before, final_norm=before and not hf.get("_remove_final_layer_norm", False),
-        learned_pos=True, d_embed=hf.get("word_embed_proj_dim") or d, attn_bias=bias, out_bias=bias,
-        mlp_bias=bias, tie_embeddings=hf.get("tie_word_embeddings", True), bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=_eos(hf),
+        family="opt", vocab_size=f.count("vocab_size"), n_layer=f.count("num_hidden_layers"), n_head=n_head,
+        n_kv_head=n_head, d_model=d, head_dim=_head_dim(f, d, n_head), d_ff=f.count("ffn_dim"),
+        max_seq_len=f.count("max_position_embeddings"), norm="layer", norm_eps=1e-5,
+        act=_act(f.get("activation_function", str, "relu")), gated_mlp=False, norm_before=before,
+        final_norm=before and not f.get("_remove_final_layer_norm", bool, False), learned_pos=True,
+        d_embed=f.count("word_embed_proj_dim", d), attn_bias=bias, out_bias=bias, mlp_bias=bias,
+        tie_embeddings=f.get("tie_word_embeddings", bool, True), bos_token_id=f.token_id("bos_token_id"),
+        eos_token_id=f.token_ids("eos_token_id"),
     )
 
 
-def _neox(hf: dict) -> Config:
-    n_head = hf["num_attention_heads"]
-    head_dim = hf["hidden_size"] // n_head
-    rope = _rope(hf)
-    bias = hf.get("attention_bias", True)
+def _neox(f: Fields) -> Config:
+    n_head, d = f.count("num_attention_heads"), f.count("hidden_size")
+    head_dim = _head_dim(f, d, n_head)
+    rope = _rope(f)
+    bias = f.get("attention_bias", bool, True)
     return Config(
-        family="gpt_neox", vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
-        n_kv_head=n_head, d_model=hf["hidden_size"], head_dim=head_dim, d_ff=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048), norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-5),
-        act=_act(hf.get("hidden_act", "gelu")), gated_mlp=False,
-        parallel_residual=hf.get("use_parallel_residual", True), rotary_dim=int(head_dim * rope["share"]),
+        family="gpt_neox", vocab_size=f.count("vocab_size"), n_layer=f.count("num_hidden_layers"), n_head=n_head,
+        n_kv_head=n_head, d_model=d, head_dim=head_dim, d_ff=f.count("intermediate_size"),
+        max_seq_len=f.count("max_position_embeddings", 2048), norm="layer",
+        norm_eps=f.positive("layer_norm_eps", 1e-5), act=_act(f.get("hidden_act", str, "gelu")), gated_mlp=False,
+        parallel_residual=f.get("use_parallel_residual", bool, True), rotary_dim=int(head_dim * rope["share"]),
         rope_theta=rope["rope_theta"], attn_bias=bias, out_bias=bias, mlp_bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", False), bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=_eos(hf),
+        tie_embeddings=f.get("tie_word_embeddings", bool, False), bos_token_id=f.token_id("bos_token_id"),
+        eos_token_id=f.token_ids("eos_token_id"),
     )
 
 

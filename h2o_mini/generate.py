@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -17,6 +18,7 @@ from functools import partial
 import torch
 
 from .cache import KVCache, stream_token
+from .errors import UserError
 from .model import Transformer
 from .policies import Policy
 
@@ -26,6 +28,15 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
+
+    def __post_init__(self):
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        if not number(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature {self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise UserError(f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise UserError(f"top_p {self.top_p!r} must be in (0, 1] (1 = off)")
 
 
 def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -7,14 +7,13 @@ position p down: a cell is dark while token p is in the cache at step t. `local`
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .api import LM
 from .errors import UserError
+from .files import write_atomic
 from .generate import Decoder
 from .policies import Policy
 
@@ -54,13 +53,7 @@ def save_kept_plot(matrices: dict[str, torch.Tensor], out: Path, title: str) -> 
         ax.set_ylabel("position p (token kept)")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=out.suffix)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, out)  # atomic: a complete picture or none
+        write_atomic(out, lambda tmp: fig.savefig(tmp, dpi=110))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)

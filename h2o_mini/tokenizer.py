@@ -25,23 +25,38 @@ class Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         config = _read_json(folder / "tokenizer_config.json")
-        self.chat_template = config.get("chat_template")
-        self.special = {k: _content(config.get(k)) for k in ("bos_token", "eos_token")}
+        self.chat_template = _chat_template(folder, config)
+        self.special = {k: _content(config.get(k), folder, k) for k in ("bos_token", "eos_token")}
         if (folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
-            self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            try:
+                self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+            except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+                raise UserError(f"cannot read {folder / 'tokenizer.json'}: {_first_line(e)}") from None
             self.kind, self._bos = "tokenizers", None  # BOS comes from the post-processor
         elif (folder / "tokenizer.model").is_file():
-            self._load_model_file(folder / "tokenizer.model", config)
+            try:
+                self._load_model_file(folder / "tokenizer.model", config)
+            except (OSError, RuntimeError, ValueError, TypeError) as e:
+                raise UserError(f"cannot read {folder / 'tokenizer.model'}: {_first_line(e)}") from None
         else:
             raise UserError(f"no tokenizer.json or tokenizer.model in {folder}")
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id this tokenizer can produce."""
+        if self.kind == "tokenizers":
+            return self._tok.get_vocab_size(with_added_tokens=True)
+        if self.kind == "tiktoken":
+            return self._tok.max_token_value + 1
+        return self._tok.get_piece_size()
 
     def _load_model_file(self, path: Path, config: dict) -> None:
         head = path.read_bytes()[:256]
         if _looks_like_tiktoken(head):
             import tiktoken
-            ranks = {base64.b64decode(tok): int(rank) for tok, rank in
-                     (line.split() for line in path.read_text().splitlines() if line.strip())}
+            ranks = {base64.b64decode(tok, validate=True): int(rank) for tok, rank in
+                     (line.split() for line in path.read_text(encoding="ascii").splitlines() if line.strip())}
             names = LLAMA3_SPECIAL + [f"<|reserved_special_token_{i}|>" for i in range(5, 256 - 5)]
             special = {name: len(ranks) + i for i, name in enumerate(names)}
             self._tok = tiktoken.Encoding(name=path.parent.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
@@ -54,7 +69,8 @@ class Tokenizer:
             import sentencepiece as spm
             self._tok = spm.SentencePieceProcessor(model_file=str(path))
             self.kind = "sentencepiece"
-            self._bos = self._tok.bos_id() if config.get("add_bos_token", True) and self._tok.bos_id() >= 0 else None
+            add_bos = config.get("add_bos_token", True)
+            self._bos = self._tok.bos_id() if add_bos and self._tok.bos_id() >= 0 else None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids as the checkpoint's tokenizer gives them by default (BOS only where it adds one)."""
@@ -83,25 +99,58 @@ class Tokenizer:
     def apply_chat_template(self, prompt: str) -> str:
         """The prompt as one user message, rendered by the checkpoint's own chat template."""
         if not self.chat_template:
-            raise UserError("this checkpoint has no chat template (tokenizer_config.json: chat_template); drop --chat")
+            raise UserError("this checkpoint has no chat template (tokenizer_config.json: chat_template, or "
+                            "chat_template.jinja); drop --chat")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-            bos_token=self.special["bos_token"] or "", eos_token=self.special["eos_token"] or "")
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                bos_token=self.special["bos_token"] or "", eos_token=self.special["eos_token"] or "")
+        except TemplateError as e:
+            raise UserError(f"the checkpoint's chat template fails: {_first_line(e)}") from None
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
-def _content(token) -> str | None:
-    return token.get("content") if isinstance(token, dict) else token
+def _chat_template(folder: Path, config: dict) -> str | None:
+    """`chat_template.jinja` (how transformers 5 saves it) if present, else tokenizer_config.json's
+    `chat_template`: a string, or a list of {name, template} of which "default" is used."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError) as e:
+            raise UserError(f"cannot read {jinja}: {e}") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string")
+    return template
+
+
+def _content(token, folder: Path, key: str) -> str | None:
+    value = token.get("content") if isinstance(token, dict) else token
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"{folder / 'tokenizer_config.json'}: {key} is {token!r}, expected a string")
+    return value
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _looks_like_tiktoken(head: bytes) -> bool:

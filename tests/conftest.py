@@ -87,3 +87,20 @@ def tiny_model(tiny):
             models[name] = load_hf(tiny(name)[0])
         return models[name]
     return get
+
+
+def add_byte_tokenizer(path: Path) -> Path:
+    """Give a tiny checkpoint a tokenizer.json that reads bytes (256 ids), so any text works."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=dict(sorted(vocab.items(), key=lambda kv: kv[1])), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def byte_folder(tiny):
+    """name -> a tiny checkpoint folder with a byte tokenizer (what the CLI tests run)."""
+    return lambda name="llama_gqa_tied": add_byte_tokenizer(tiny(name)[0])

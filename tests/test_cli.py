@@ -1,5 +1,6 @@
 """The command line as a user runs it: real subprocesses, tiny checkpoints, and bad input of every kind."""
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -25,16 +26,9 @@ def assert_one_line_error(result, *needles):
 
 
 @pytest.fixture(scope="module")
-def folder(tiny):
+def folder(byte_folder):
     """A tiny LLaMA checkpoint with a tokenizer that reads bytes (so any text works)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    path, _ = tiny("llama_gqa_tied")
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab=dict(sorted(vocab.items(), key=lambda kv: kv[1])), merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    return path
+    return byte_folder("llama_gqa_tied")
 
 
 def variant(folder, tmp_path, edit):
@@ -132,7 +126,8 @@ def test_bench_json_and_memory_cap(folder):
     assert r.returncode == 0, r.stderr
     full, h2o = [json.loads(line) for line in r.stdout.splitlines()]
     assert (full["batch"], h2o["batch"]) == (2, 8)  # the largest batches whose caches fit the cap
-    assert h2o["hf_decode_tok_s"] > 0 and "vs_hf" in h2o
+    # rates come from timed decode steps: a finite number (never negative or infinite), or None
+    assert isinstance(h2o["hf_decode_tok_s"], float) and math.isfinite(h2o["hf_decode_tok_s"]) and "vs_hf" in h2o
     assert_one_line_error(run("bench", "--model", folder, "--kv-memory", "lots"), "not a size")
 
 

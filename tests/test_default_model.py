@@ -49,16 +49,25 @@ def test_token_ids_and_logits_match_transformers_gguf_loading(lm, gguf_file):
 
 
 def test_greedy_generation_is_sensible_english(lm):
-    out = api.generate(lm, "The capital of France is", max_new_tokens=12)
+    out = api.generate(lm, "The capital of France is", max_new_tokens=12, chat=False)  # a raw completion
     assert "Paris" in out
-    out = api.generate(lm, "The capital of France is", policy="h2o", budget=0.5, max_new_tokens=12)
+    out = api.generate(lm, "The capital of France is", policy="h2o", budget=0.5, max_new_tokens=12, chat=False)
     assert "Paris" in out
     import h2o_mini  # the README's API: a policy object, a batch of prompts, each row as if alone
-    policy = h2o_mini.H2O(heavy=6, recent=6)
-    prompts = ["The capital of France is", "Once upon a time, in a small village,"]
+    policy = h2o_mini.H2O(heavy=16, recent=16)
+    prompts = ["What is the capital of France?", "Once upon a time, in a small village,"]
     outs = h2o_mini.generate(lm, prompts, policy=policy, max_new_tokens=12)
     assert "Paris" in outs[0]
     assert outs == [h2o_mini.generate(lm, p, policy=policy, max_new_tokens=12) for p in prompts]
+
+
+def test_instruct_prompts_use_the_chat_template_by_default(lm):
+    """An instruct model given a bare request answers with its end token at once; through its chat template
+    (the default when the checkpoint has one) it writes the story."""
+    request = "Write a short story about a lighthouse."
+    assert api.generate(lm, request, max_new_tokens=16, chat=False).strip() == ""
+    story = api.generate(lm, request, policy="h2o", budget=0.2, max_new_tokens=16)
+    assert len(story.split()) >= 8
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_file):

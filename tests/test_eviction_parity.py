@@ -17,7 +17,7 @@ IDS = text_bytes(T, offset=2000)
 
 
 def _policy(name, recent):
-    return make_policy(name, C, T, recent)
+    return make_policy(name, None if name == "full" else C, T, recent)
 
 
 def _capacity(policy):
@@ -104,6 +104,6 @@ def test_batched_generation_equals_each_prompt_alone(tiny_model, prefill):
 def test_capacity_at_least_length_equals_full(tiny_model, name, prefill):
     model = tiny_model("neox_parallel")
     full = _run(model, IDS, make_policy("full", None, T), [(0, 30, "dense")] + [(t, t + 1, "step") for t in range(30, T)])
-    policy = make_policy(name, T, T)  # C = L
+    policy = make_policy(name, None if name == "full" else T, T)  # C = L
     plan = [(0, 30, prefill)] + [(t, t + 1, "step") for t in range(30, T)]
     assert _close(_run(model, IDS, policy, plan), full)

@@ -1,7 +1,7 @@
 """Eviction policies. `REGISTRY` is the one place a policy is named; the tests iterate over it."""
 from __future__ import annotations
 
-from .base import Policy, capacity_for, parse_budget, recent_for
+from .base import BUDGET_HELP, Policy, capacity_for, describe, parse_budget, recent_for
 from .full import Full
 from .h2o import H2O
 from .heavy_hitter import HeavyHitter
@@ -16,12 +16,18 @@ def make_policy(name: str, budget: str | float | int | None, length: int, recent
     """A policy from CLI-style arguments: `budget` is a fraction of `length` or a token count (see the spec)."""
     if name not in REGISTRY:
         raise UserError(f"unknown policy {name!r} (choose from {', '.join(REGISTRY)})")
+    cls = REGISTRY[name]
+    if recent is not None and not cls.takes_recent:
+        with_recent = ", ".join(n for n, c in REGISTRY.items() if c.takes_recent)
+        raise UserError(f"--recent does not apply to policy {name!r} (only to {with_recent})")
     if name == "full":
+        if budget is not None:
+            raise UserError("policy 'full' keeps every token: --budget does not apply to it")
         return Full()
     if budget is None:
         raise UserError(f"policy {name!r} needs --budget")
     capacity = capacity_for(parse_budget(budget), length)
-    return REGISTRY[name].from_budget(capacity, recent_for(recent, capacity))
+    return cls.from_budget(capacity, recent_for(recent, capacity))
 
 
-__all__ = ["Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O", "Sinks"]
+__all__ = ["BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O", "Sinks"]

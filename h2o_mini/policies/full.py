@@ -10,7 +10,8 @@ from .base import Policy
 
 @dataclass(frozen=True)
 class Full(Policy):
-    """No eviction: the cache is sized to the whole sequence, so `keep_score` is never consulted."""
+    """Keep every token: the cache is sized to the whole sequence and nothing is evicted (`keep_score` is
+    never consulted)."""
 
     name = "full"
 

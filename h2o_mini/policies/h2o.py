@@ -24,9 +24,13 @@ from .base import Policy
 
 @dataclass(frozen=True)
 class H2O(Policy):
+    """Keep the `recent` newest tokens and the `heavy` with the highest accumulated attention; a full cache
+    evicts the lowest-scored token outside the recent window (ties: the oldest)."""
+
     heavy: int
     recent: int
     name = "h2o"
+    takes_recent = True
     needs_scores = True
 
     @property

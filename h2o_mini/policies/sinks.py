@@ -21,6 +21,7 @@ class Sinks(Policy):
     sink: int
     recent: int
     name = "sinks"
+    takes_recent = True
 
     @property
     def capacity(self) -> int:

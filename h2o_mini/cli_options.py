@@ -1,0 +1,57 @@
+"""The options the `h2o-mini` commands share, and the click types that check values as they are parsed:
+a wrong value is a one-line usage error before any model is loaded."""
+from __future__ import annotations
+
+import math
+
+import click
+
+from .policies import BUDGET_HELP, REGISTRY, parse_budget
+
+COUNT = 2**31  # the largest count any option takes (tokens, steps)
+IMAGE = (".png", ".pdf", ".svg")
+
+
+class Finite(click.FloatRange):
+    """A float in a range that is also finite (click's FloatRange lets NaN through every bound)."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
+
+
+class Budget(click.ParamType):
+    """A budget as the spec reads it, checked at parse time; kept as the text ('1' and '1.0' differ)."""
+
+    name = "budget"
+
+    def __init__(self, what: str = "budget"):
+        self.what = what
+
+    def convert(self, value, param, ctx):
+        if self.what == "--recent" and str(value).strip() in ("0", "0.0"):
+            return value
+        parse_budget(value, self.what)
+        return value
+
+
+def model_options(f):
+    f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N")(f)
+    f = click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")(f)
+    f = click.option("--model", default="default", show_default=True,
+                     help="a Hugging Face checkpoint folder, or 'default' (SmolLM2-135M-Instruct, offline)")(f)
+    return f
+
+
+RECENT_HELP = ("the protected recent window of C, for h2o and sinks: a fraction of C or a token count (default: "
+               "h2o half, sinks all but 4)")
+
+
+def policy_options(f):
+    f = click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)(f)
+    f = click.option("--budget", default=None, type=Budget(), help=f"KV budget C: {BUDGET_HELP}")(f)
+    f = click.option("--policy", default="full", show_default=True, type=click.Choice(list(REGISTRY)),
+                     help="see 'h2o-mini policies'")(f)
+    return f

@@ -1,0 +1,70 @@
+"""Reading the user's text files and writing output files: one-line errors, atomic writes, the user's umask.
+
+An output appears complete or not at all: it is written to a temporary file beside the target and renamed
+over it. The temporary file is removed on any error or interrupt. The final file gets the permissions a
+plain `open(path, "w")` would give it (0666 less the umask), not mkstemp's 0600. Missing parent folders
+are not created: a typo in `--out` is an error, not a new folder tree.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import UserError
+
+
+def read_text(path: str | Path, what: str = "text file") -> str:
+    """A UTF-8 text file's contents, or a one-line UserError."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder, not a file")
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not UTF-8") from None
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_output(path: str | Path, suffixes: tuple[str, ...] = ()) -> Path:
+    """An output path the user gave: its folder must exist and be writable; its extension one of `suffixes`."""
+    path = Path(path)
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UserError(f"{path}: unknown extension {path.suffix or '(none)'!r}; use one of {', '.join(suffixes)}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: the folder {parent} does not exist")
+    if path.is_dir():
+        raise UserError(f"cannot write {path}: it is a folder")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write {path}: the folder {parent} is not writable")
+    return path
+
+
+def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Call `write(tmp)` on a temporary path beside `path`, then rename it into place."""
+    path = check_output(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .evaluate import score_text
+from .evals.ppl import score_text
 from .generate import Decoder, Sampling
 from .model import Transformer
 from .policies import Policy, make_policy
@@ -159,16 +159,24 @@ def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", bu
     return texts[0] if single else texts
 
 
-def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
-               compare_full: bool = False, chunk: int = 256, compile: bool = False) -> dict:
+def scored_ids(lm: LM, text: str, tokens: int) -> list[int]:
+    """The first `tokens` token ids of a text, checked against the text and the model's positions."""
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
         raise UserError(f"--tokens {tokens!r} must be an integer >= 2 (one prediction)")
     ids = lm.tokenizer.encode(text)
     if tokens > len(ids):
         raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
     lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
+    return ids[:tokens]
+
+
+def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
+               compare_full: bool = False, chunk: int = 256, compile: bool = False, reference=None) -> dict:
+    """eval ppl: NLL and perplexity of the text's first `tokens` tokens under a policy (see evals/ppl.py)."""
+    ids = scored_ids(lm, text, tokens)
     pol = as_policy(policy, budget, tokens, recent)
-    result = score_text(lm.model, ids[:tokens], pol, chunk=chunk, compare_full=compare_full, compile=compile)
+    result = score_text(lm.model, ids, pol, chunk=chunk, compare_full=compare_full, compile=compile,
+                        reference=reference)
     if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
         raise UserError(f"the model gave non-finite log-probabilities on this text ({result})")
     return result

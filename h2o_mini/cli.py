@@ -17,6 +17,8 @@ from .errors import UserError
 from .files import check_output, read_text
 from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
+from .cli_eval import eval_
+from .cli_sweep import sweep
 from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, Finite, model_options, policy_options
 from .policies import BUDGET_HELP, REGISTRY, describe
 
@@ -107,42 +109,6 @@ def _print_rows(lm, prompts: list[str], rows: list[list[int]], shown: str) -> No
         return
     for p, r in zip(prompts, rows):
         click.echo(f"### {p}\n{lm.tokenizer.decode(r)}\n")
-
-
-@cli.group(name="eval", short_help="Measure what a policy costs in quality.")
-def eval_():
-    """Measure what a policy costs in quality."""
-
-
-@eval_.command(short_help="Perplexity of a text, every token scored through the evicting cache.", epilog="""\b
-Examples:
-  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024
-  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy h2o --budget 0.2 --compare-full --json
-""")
-@model_options
-@policy_options
-@click.option("--text", "text_path", required=True, help="a UTF-8 text file")
-@click.option("--tokens", required=True, type=click.IntRange(2, COUNT), help="score the first N tokens")
-@click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")
-@click.option("--chunk", default=256, show_default=True, type=click.IntRange(1, 65536), help="stream chunk size")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-@click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: on "
-              "for cuda; on CPU a compiled call costs more than the small ops it fuses)")
-def ppl(model, dtype, device, policy, budget, recent, text_path, tokens, compare_full, chunk, as_json, compile):
-    """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode. A fractional
-    --budget is taken of --tokens."""
-    text = read_text(text_path)
-    lm = api.load(model, dtype, device)
-    compile = device.startswith("cuda") if compile is None else compile
-    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile)
-    if as_json:
-        click.echo(json.dumps(result, allow_nan=False))
-        return
-    line = (f"{result['policy']} C={result['capacity']} tokens={result['tokens']} nll={result['nll']:.4f} "
-            f"ppl={result['ppl']:.3f} ({result['seconds']:.1f} s)")
-    if compare_full:
-        line += f" top1_agree_full={result['top1_agree_full']:.4f} kl_full={result['kl_full']:.4f}"
-    click.echo(line)
 
 
 @cli.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
@@ -236,6 +202,48 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
         matrices[label] = kept_matrix(lm, ids, policy, layer, head)
     save_kept_plot(matrices, Path(out), f"{lm.folder.name}: tokens kept, layer {layer}, KV head {head}")
     click.echo(out)
+
+
+cli.add_command(eval_)
+eval_.add_command(sweep)
+
+
+@plot.command(short_help="The heavy-hitter power law: accumulated attention per token.", epilog="""\b
+Example:
+  h2o-mini plot attention --tokens 1024 --layers 0,15,29 --out attention.png
+""")
+@model_options
+@click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True)
+@click.option("--tokens", default=1024, show_default=True, type=click.IntRange(2, 65536))
+@click.option("--layers", default="0", show_default=True, help="comma-separated layer indices")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="a .png, .pdf or .svg file")
+@click.option("--json", "as_json", is_flag=True, help="one JSON line per layer (top20_share, ...)")
+def attention(model, dtype, device, text_path, tokens, layers, out, as_json):
+    """For each layer, the attention every token receives in a full causal pass (summed over all queries
+    and query heads), sorted, on log-log axes; the legend gives the share held by the top 20%."""
+    from .evals.attention import accumulated_attention, save_attention_plot, top_share
+    check_output(out, IMAGE)
+    try:
+        chosen = [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--layers {layers!r} is not a comma-separated list of layer indices") from None
+    text = read_text(text_path)
+    lm = api.load(model, dtype, device)
+    bad = [x for x in chosen if not 0 <= x < lm.model.cfg.n_layer]
+    if bad or not chosen:
+        raise UserError(f"--layers must be in [0, {lm.model.cfg.n_layer}), got {layers!r}")
+    ids = lm.tokenizer.encode(text)[:tokens]
+    if len(ids) < tokens:
+        raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
+    lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
+    curves = accumulated_attention(lm.model, ids, chosen)
+    save_attention_plot(curves, Path(out), f"{lm.folder.name}: attention received, {tokens} tokens")
+    for layer, received in curves.items():
+        if as_json:
+            click.echo(json.dumps({"layer": layer, "tokens": tokens, "top20_share": top_share(received),
+                                   "max": received.max().item(), "median": received.median().item()}))
+    if not as_json:
+        click.echo(out)
 
 
 def _terminate(signum, frame):

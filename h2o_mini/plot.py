@@ -37,23 +37,51 @@ def kept_matrix(lm: LM, ids: list[int], policy: Policy, layer: int, head: int) -
     return kept
 
 
-def save_kept_plot(matrices: dict[str, torch.Tensor], out: Path, title: str) -> None:
+def figure(panels: int, size: tuple[float, float]):
+    """(pyplot, figure, axes) with `panels` side by side, on the file-only Agg backend."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("plotting needs matplotlib: pip install 'h2o-mini[plot]'") from None
-    n = len(matrices)
-    fig, axes = plt.subplots(1, n, figsize=(4 * n, 4.4), squeeze=False)
-    for ax, (label, kept) in zip(axes[0], matrices.items()):
-        ax.imshow(kept.numpy(), cmap="Greys", interpolation="nearest", aspect="auto")
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step t (token arriving)")
-        ax.set_ylabel("position p (token kept)")
-    fig.suptitle(title, fontsize=11)
+    fig, axes = plt.subplots(1, panels, figsize=(size[0] * panels, size[1]), squeeze=False)
+    return plt, fig, list(axes[0])
+
+
+def save(plt, fig, out) -> None:
+    """Write the figure atomically (a complete picture or none), then free it."""
     fig.tight_layout()
     try:
         write_atomic(out, lambda tmp: fig.savefig(tmp, dpi=110))
     finally:
         plt.close(fig)
+
+
+def save_kept_plot(matrices: dict[str, torch.Tensor], out: Path, title: str) -> None:
+    plt, fig, axes = figure(len(matrices), (4, 4.4))
+    for ax, (label, kept) in zip(axes, matrices.items()):
+        ax.imshow(kept.numpy(), cmap="Greys", interpolation="nearest", aspect="auto")
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step t (token arriving)")
+        ax.set_ylabel("position p (token kept)")
+    fig.suptitle(title, fontsize=11)
+    save(plt, fig, out)
+
+
+def save_heatmaps(panels: dict[str, dict[tuple[float, int], float]], out: Path, title: str) -> None:
+    """One heat map per panel: depth (down) x length (across), the share of cells where the needle was found."""
+    plt, fig, axes = figure(len(panels), (3.6, 3.4))
+    for ax, (label, cells) in zip(axes, panels.items()):
+        depths = sorted({d for d, _ in cells})
+        lengths = sorted({n for _, n in cells})
+        grid = [[cells.get((d, n), float("nan")) for n in lengths] for d in depths]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("needle depth")
+        ax.set_title(label, fontsize=9)
+    fig.colorbar(image, ax=axes, fraction=0.05, label="found")
+    fig.suptitle(title, fontsize=10)
+    save(plt, fig, out)

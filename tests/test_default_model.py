@@ -82,3 +82,25 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_file)
     with pytest.raises(UserError):
         default.prepare_default_model(log=lambda m: None)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_task_whose_answers_are_known(lm, tmp_path):
+    """Five facts, three choices each: the default model with the full cache gets every one right; a
+    2-token window cannot hold the question and loses some."""
+    pytest.importorskip("lm_eval")
+    import json
+    from h2o_mini.evals.harness import run_tasks
+    facts = [("The capital of France is", ["Paris", "Berlin", "Madrid"], 0),
+             ("Two plus two equals", ["seven", "four", "ten"], 1),
+             ("The opposite of hot is", ["tall", "blue", "cold"], 2),
+             ("Monday, Tuesday,", ["Wednesday", "January", "green"], 0),
+             ("Water freezes at zero degrees", ["Celsius", "kilograms", "meters"], 0)]
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps({"context": c, "choices": ch, "gold": g}) + "\n"
+                                                  for c, ch, g in facts))
+    (tmp_path / "facts.yaml").write_text(
+        f"task: facts\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'facts.jsonl'}\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    full = run_tasks(lm, ["facts"], str(tmp_path))["results"]["facts"]["acc,none"]
+    tiny = run_tasks(lm, ["facts"], str(tmp_path), policy="local", budget="2")["results"]["facts"]["acc,none"]
+    assert full == 1.0 and tiny < 1.0

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from h2o_mini.evaluate import score_text
+from h2o_mini.evals.ppl import score_text
 from h2o_mini.generate import Sampling, sample
 from h2o_mini.policies import make_policy
 

@@ -1,0 +1,206 @@
+"""`h2o-mini eval ...`: perplexity, lm-eval tasks, needle in a haystack, and sweeps over policies and budgets.
+Parse, call `h2o_mini.evals`, print; the work is done there."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from . import api
+from .bench import DEFAULT_TEXT
+from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, model_options
+from .errors import UserError
+from .files import check_output, read_text, write_atomic
+from .policies import BUDGET_HELP, REGISTRY
+
+
+def _one(values: tuple, flag: str, command: str):
+    """A single value of an option that `eval sweep` repeats: a second one is refused, not dropped."""
+    if len(values) > 1:
+        raise UserError(f"eval {command} runs one {flag}; give several to 'h2o-mini eval sweep {command}'")
+    return values[0] if values else None
+
+
+def repeatable_policies(f):
+    f = click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)(f)
+    f = click.option("--budget", "budgets", multiple=True, type=Budget(), help=f"repeatable: {BUDGET_HELP}")(f)
+    return click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
+                        help="repeatable; see 'h2o-mini policies'")(f)
+
+
+def ppl_options(f):
+    f = click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: "
+                     "on for cuda; on CPU a compiled call costs more than the small ops it fuses)")(f)
+    f = click.option("--chunk", default=256, show_default=True, type=click.IntRange(1, 65536),
+                     help="stream chunk size")(f)
+    f = click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")(f)
+    f = click.option("--tokens", required=True, type=click.IntRange(2, COUNT), help="score the first N tokens")(f)
+    return click.option("--text", "text_path", required=True, help="a UTF-8 text file")(f)
+
+
+def tasks_options(f):
+    f = click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]),
+                     help="for generate_until requests (log-likelihoods are always scored in stream mode)")(f)
+    f = click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1, 1024))(f)
+    f = click.option("--limit", default=None, type=click.IntRange(1, COUNT), help="at most N items per task")(f)
+    f = click.option("--num-fewshot", default=None, type=click.IntRange(0, 1000))(f)
+    f = click.option("--include-path", default=None, help="a folder of task YAMLs (local data works offline)")(f)
+    return click.option("--tasks", required=True, help="comma-separated task names, e.g. gpl_next_sentence")(f)
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a comma-separated list of numbers") from None
+
+
+def needle_options(f):
+    f = click.option("--chat/--no-chat", default=None, help="the chat template (default: when it has one)")(f)
+    f = click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))(f)
+    f = click.option("--seeds", default=1, show_default=True, type=click.IntRange(1, 1000),
+                     help="needles (numbers) per cell")(f)
+    f = click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="where the needle sits, in [0, 1]")(f)
+    f = click.option("--lengths", default="1024,2048,4096", show_default=True, help="prompt tokens")(f)
+    return click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True,
+                        help="real filler text")(f)
+
+
+@click.group(name="eval", short_help="Measure what a policy costs in quality.")
+def eval_():
+    """Measure what a policy costs in quality: perplexity, lm-eval tasks, needle in a haystack, sweeps."""
+
+
+@eval_.command(short_help="Perplexity of a text, every token scored through the evicting cache.", epilog="""\b
+Examples:
+  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024
+  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy h2o --budget 0.2 --compare-full --json
+""")
+@model_options
+@repeatable_policies
+@ppl_options
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def ppl(model, dtype, device, policies, budgets, recent, text_path, tokens, compare_full, chunk, compile, as_json):
+    """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode. A fractional
+    --budget is taken of --tokens."""
+    policy, budget = _one(policies, "--policy", "ppl") or "full", _one(budgets, "--budget", "ppl")
+    text = read_text(text_path)
+    lm = api.load(model, dtype, device)
+    compile = device.startswith("cuda") if compile is None else compile
+    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile)
+    if as_json:
+        click.echo(json.dumps(result, allow_nan=False))
+        return
+    line = (f"{result['policy']} C={result['capacity']} tokens={result['tokens']} nll={result['nll']:.4f} "
+            f"ppl={result['ppl']:.3f} ({result['seconds']:.1f} s)")
+    if compare_full:
+        line += f" top1_agree_full={result['top1_agree_full']:.4f} kl_full={result['kl_full']:.4f}"
+    click.echo(line)
+
+
+def _harness():
+    try:
+        from .evals import harness
+    except ImportError:
+        raise UserError("eval tasks needs lm-evaluation-harness: pip install 'h2o-mini[eval]'") from None
+    return harness
+
+
+def task_result(results: dict, model: str, policy: str, budget) -> dict:
+    """lm-eval's `results` (keys as lm-eval writes them) with what ran; `score`: the first task's main metric."""
+    per_task = results["results"]
+    first = next(iter(per_task.values()), {})
+    main = next((k for k in ("acc,none", "exact_match,none", "word_perplexity,none") if k in first),
+                next((k for k, v in first.items() if isinstance(v, float) and "stderr" not in k), None))
+    return {"results": per_task, "policy": policy, "budget": budget, "model": model,
+            "metric": main, "score": first.get(main)}
+
+
+@eval_.command(short_help="lm-evaluation-harness tasks under a policy.", epilog="""\b
+Examples:
+  h2o-mini eval tasks --tasks gpl_next_sentence --limit 20 --policy h2o --budget 0.2
+  h2o-mini eval tasks --tasks gpl_next_sentence --num-fewshot 2 --limit 20 --json
+  h2o-mini eval tasks --tasks my_task --include-path ./my_tasks --policy local --budget 64 --output out.json
+""")
+@model_options
+@repeatable_policies
+@tasks_options
+@click.option("--output", default=None, help="also write the JSON object to this .json file")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (lm-eval's results and the policy)")
+def tasks(model, dtype, device, policies, budgets, recent, tasks, include_path, num_fewshot, limit, batch_size,
+          prefill, output, as_json):
+    """Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) with h2o-mini under a policy. A fractional
+    --budget is taken of each request's own length. The shipped task gpl_next_sentence works offline."""
+    policy, budget = _one(policies, "--policy", "tasks") or "full", _one(budgets, "--budget", "tasks")
+    harness = _harness()
+    if output:
+        check_output(output, (".json",))
+    lm = api.load(model, dtype, device)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    results = harness.run_tasks(lm, names, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
+                                prefill)
+    row = task_result(results, str(model), policy, budget)
+    if output:
+        write_atomic(output, lambda tmp: tmp.write_text(json.dumps(row, indent=2, default=str)))
+    if as_json:
+        click.echo(json.dumps(row, default=str))
+    else:
+        from lm_eval.utils import make_table
+        click.echo(make_table(results))
+
+
+@eval_.command(short_help="Needle in a haystack under policies and budgets.", epilog="""\b
+Examples:
+  h2o-mini eval needle --lengths 1024 --depths 0.5 --policy full --policy h2o --budget 0.2
+  h2o-mini eval needle --lengths 512,1024 --depths 0.1,0.9 --policy h2o --budget 0.2 --prefill stream --json
+  h2o-mini eval needle --lengths 1024 --depths 0.1,0.5,0.9 --policy h2o --budget 0.2 --plot needle.png
+""")
+@model_options
+@repeatable_policies
+@needle_options
+@click.option("--plot", "plot_path", default=None, help="a heat map per policy/budget (.png/.pdf/.svg)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON line per cell")
+def needle(model, dtype, device, policies, budgets, recent, text_path, lengths, depths, seeds, prefill, chat,
+           plot_path, as_json):
+    """Plant a random number at a depth of real text, ask for it last, and check the greedy answer."""
+    from .evals.needle import run_needle
+    from .evals.sweep import points
+    if plot_path:
+        check_output(plot_path, IMAGE)
+    lengths = [int(n) for n in _floats(lengths, "--lengths")]
+    depths = _floats(depths, "--depths")
+    todo = [(p, b, recent if REGISTRY[p].takes_recent else None) for p, b in points(policies or ("full",),
+                                                                                   budgets or ("0.2",))]
+    text = read_text(text_path)
+    lm = api.load(model, dtype, device)
+    cells = []
+    for cell in run_needle(lm, text, lengths, depths, seeds, todo, prefill, chat):
+        cells.append(cell)
+        if as_json:
+            click.echo(json.dumps(cell))
+    if not as_json:
+        click.echo(needle_table(cells))
+    if plot_path:
+        save_needle_plot(cells, plot_path, lm.folder.name)
+
+
+def needle_table(cells: list[dict]) -> str:
+    lines = [f"{'policy':<14}{'budget':>8}{'prefill':>9}{'length':>8}{'depth':>7}  found"]
+    groups: dict[tuple, list[bool]] = {}
+    for c in cells:
+        groups.setdefault((c["policy"], c["budget"], c["prefill"], c["length"], c["depth"]), []).append(c["found"])
+    for (p, b, pre, n, d), found in groups.items():
+        lines.append(f"{p:<14}{b or 'all':>8}{pre:>9}{n:>8}{d:>7}  {sum(found)}/{len(found)}")
+    return "\n".join(lines)
+
+
+def save_needle_plot(cells: list[dict], out, model_name: str) -> None:
+    from .plot import save_heatmaps
+    panels: dict[str, dict] = {}
+    for c in cells:
+        label = f"{c['policy']} {c['budget'] or ''} ({c['prefill']})"
+        cell = panels.setdefault(label, {}).setdefault((c["depth"], c["length"]), [])
+        cell.append(c["found"])
+    shares = {label: {k: sum(v) / len(v) for k, v in grid.items()} for label, grid in panels.items()}
+    save_heatmaps(shares, Path(out), f"{model_name}: needle in a haystack")

@@ -1,0 +1,108 @@
+"""`h2o-mini eval sweep ppl|needle|tasks`: the options of that evaluation, with repeatable --policy and
+--budget (default: every registered policy x 0.05 0.1 0.2 0.5), --out FILE.jsonl (resumable), a table,
+--plot FILE.png. Parse, call `h2o_mini.evals.sweep`, print."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from . import api
+from .cli_eval import (_floats, _harness, needle_options, ppl_options, repeatable_policies, task_result,
+                       tasks_options)
+from .cli_options import IMAGE, model_options
+from .evals.sweep import points, run_sweep, save_sweep_plot, table
+from .files import check_output, read_text
+from .policies import REGISTRY
+
+
+def sweep_options(f):
+    f = click.option("--json", "as_json", is_flag=True, help="one JSON line per row, no progress bar")(f)
+    f = click.option("--plot", "plot_path", default=None, help="quality against budget (.png/.pdf/.svg)")(f)
+    f = click.option("--out", default=None, help="a .jsonl file: each finished point is appended; a rerun skips "
+                     "the points already there")(f)
+    return repeatable_policies(model_options(f))
+
+
+def _sweep(kind: str, policies, budgets, out, plot_path, as_json, model_name: str, run_point) -> None:
+    if plot_path:
+        check_output(plot_path, IMAGE)
+    results = {}
+    for point, rows in run_sweep(kind, points(policies, budgets), run_point, Path(out) if out else None,
+                                 progress=not as_json):
+        results[point] = rows
+        if as_json:
+            for row in rows:
+                click.echo(json.dumps(dict(row, budget=point[1])))
+    if not as_json:
+        click.echo(table(kind, results))
+    if plot_path:
+        save_sweep_plot(kind, results, Path(plot_path), f"{model_name}: {kind} under eviction")
+
+
+def _recent(policy: str, recent):
+    return recent if REGISTRY[policy].takes_recent else None
+
+
+@click.group(short_help="Every policy at every budget: one table, one plot.")
+def sweep():
+    """Every --policy at every --budget (default: all registered policies x 0.05 0.1 0.2 0.5)."""
+
+
+@sweep.command(name="ppl", short_help="Perplexity and fidelity to full at every point.", epilog="""\b
+Example:
+  h2o-mini eval sweep ppl --text /usr/share/common-licenses/GPL-3 --tokens 512 --policy local --policy h2o \\
+      --budget 0.1 --budget 0.2 --out sweep.jsonl --plot sweep.png
+""")
+@sweep_options
+@ppl_options
+def sweep_ppl(model, dtype, device, policies, budgets, recent, out, plot_path, as_json, text_path, tokens,
+              compare_full, chunk, compile):
+    """eval ppl (with --compare-full always on; full's pass is made once) at every point."""
+    from .evals.ppl import full_logprobs
+    text = read_text(text_path)
+    lm = api.load(model, dtype, device)
+    compile = device.startswith("cuda") if compile is None else compile
+    reference = []  # full's log-probs, computed at the first point that needs them and kept for the others
+
+    def point(p, b):
+        if not reference:
+            reference.append(full_logprobs(lm.model, api.scored_ids(lm, text, tokens)))
+        return [api.perplexity(lm, text, tokens, p, b, _recent(p, recent), True, chunk, compile, reference[0])]
+    _sweep("ppl", policies, budgets, out, plot_path, as_json, lm.folder.name, point)
+
+
+@sweep.command(name="needle", short_help="Needle in a haystack at every point.", epilog="""\b
+Example:
+  h2o-mini eval sweep needle --lengths 512 --depths 0.5 --policy h2o --policy local --budget 0.2 --budget 0.5
+""")
+@sweep_options
+@needle_options
+def sweep_needle(model, dtype, device, policies, budgets, recent, out, plot_path, as_json, text_path, lengths,
+                 depths, seeds, prefill, chat):
+    """eval needle at every point; a point's score is the share of its cells where the needle was found."""
+    from .evals.needle import run_needle
+    lengths, depths = [int(n) for n in _floats(lengths, "--lengths")], _floats(depths, "--depths")
+    text = read_text(text_path)
+    lm = api.load(model, dtype, device)
+    _sweep("needle", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: list(run_needle(
+        lm, text, lengths, depths, seeds, [(p, b, _recent(p, recent))], prefill, chat)))
+
+
+@sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
+Example:
+  h2o-mini eval sweep tasks --tasks gpl_next_sentence --limit 20 --policy h2o --policy local --budget 0.2
+""")
+@sweep_options
+@tasks_options
+def sweep_tasks(model, dtype, device, policies, budgets, recent, out, plot_path, as_json, tasks, include_path,
+                num_fewshot, limit, batch_size, prefill):
+    """eval tasks at every point; a point's score is the first task's main metric (acc where it has one)."""
+    harness = _harness()
+    lm = api.load(model, dtype, device)
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    _sweep("tasks", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: [task_result(
+        harness.run_tasks(lm, names, include_path, num_fewshot, limit, batch_size, p, b, _recent(p, recent),
+                          prefill), str(model), p, b)])
+

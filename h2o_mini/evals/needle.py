@@ -1,0 +1,86 @@
+"""Needle in a haystack under eviction (`h2o-mini eval needle`).
+
+A random number is planted in a sentence ("The secret number is 481923.") at a relative depth of real filler
+text; the question comes last; the answer is generated greedily and `found` says whether it holds the
+number. The prompt is wrapped in the checkpoint's chat template when it has one, and is exactly `length`
+tokens long. The two prefill modes ask different questions of a policy: with `dense` it chooses what to
+keep after reading the question; with `stream` it must evict before the question arrives.
+(Kamradt, 2023, "Needle in a haystack"; the policy comparison follows RULER's single-needle task,
+Hsieh et al., 2024, arXiv 2404.06654.)
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+from ..api import LM, as_policy
+from ..errors import UserError
+from ..generate import Decoder
+
+NEEDLE = " The secret number is {n}. "
+QUESTION = "\n\nWhat is the secret number in the text above? Answer with the number only."
+ANSWER_TOKENS = 24
+
+
+def parts(lm: LM, chat: bool | None) -> tuple[list[int], list[int]]:
+    """The token ids that come before the user's text and after it (the chat template's, when used)."""
+    tok = lm.tokenizer
+    if chat is False or (chat is None and not tok.chat_template):
+        return tok.encode(""), []  # the BOS, where the tokenizer adds one
+    marker = "\u2063"  # a character no template contains: where the user's text goes
+    before, after = tok.apply_chat_template(marker).split(marker)
+    return tok.encode(before, special=False), tok.encode(after, special=False)
+
+
+def haystack(lm: LM, filler: list[int], length: int, depth: float, number: int, chat: bool | None = None):
+    """A prompt of exactly `length` tokens: the filler with the needle at `depth` (moved to the nearest
+    sentence end, except at 0 and 1), then the question. Returns the ids and the needle's token position."""
+    before, after = parts(lm, chat)
+    needle = lm.tokenizer.encode(NEEDLE.format(n=number), special=False)
+    question = lm.tokenizer.encode(QUESTION, special=False)
+    room = length - len(before) - len(needle) - len(question) - len(after)
+    if room < 1:
+        raise UserError(f"--lengths {length} leaves no room for filler text (the question alone takes "
+                        f"{length - room} tokens)")
+    if room > len(filler):
+        raise UserError(f"--lengths {length} is longer than the filler text ({len(filler)} tokens)")
+    target = round(depth * room)
+    ends = [j for j in range(1, room) if lm.tokenizer.decode(filler[j - 1:j]).rstrip().endswith(".")]
+    at = min(ends, key=lambda j: abs(j - target)) if ends and 0 < target < room else target
+    ids = before + filler[:at] + needle + filler[at:room] + question + after
+    return ids, len(before) + at
+
+
+def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds: int, policies: list[tuple],
+               prefill: str, chat: bool | None = None, compile: bool = False) -> Iterator[dict]:
+    """One cell per (policy, budget) x length x depth x seed; policies: (name, budget, recent) triples."""
+    for d in depths:
+        if not 0 <= d <= 1:
+            raise UserError(f"--depths: {d} is outside [0, 1]")
+    cfg = lm.model.cfg
+    filler = lm.tokenizer.encode(text, special=False)
+    for n in lengths:  # every length and budget checked before the first cell runs
+        if n + ANSWER_TOKENS > cfg.max_seq_len:
+            raise UserError(f"--lengths {n} + {ANSWER_TOKENS} answer tokens is past the model's "
+                            f"{cfg.max_seq_len} positions")
+        haystack(lm, filler, n, 0.5, 100000, chat)
+    for name, budget, recent in policies:
+        as_policy(name, budget, max(lengths) + ANSWER_TOKENS, recent)
+    decoder = Decoder(lm.model, compile=compile)
+    for length in lengths:
+        for depth in depths:
+            for seed in range(seeds):
+                number = random.Random(f"{length}-{depth}-{seed}").randrange(100000, 1000000)
+                ids, at = haystack(lm, filler, length, depth, number, chat)
+                for name, budget, recent in policies:
+                    policy = as_policy(name, budget, length + ANSWER_TOKENS, recent)
+                    tokens = []
+                    for token in decoder.generate([ids], policy, ANSWER_TOKENS, prefill, eos_ids=lm.eos_ids):
+                        if int(token[0]) in lm.eos_ids:
+                            break
+                        tokens.append(int(token[0]))
+                    answer = lm.tokenizer.decode(tokens).strip()
+                    yield {"policy": name, "budget": budget, "capacity": policy.capacity or length + ANSWER_TOKENS,
+                           "prefill": prefill, "length": length, "depth": depth, "seed": seed,
+                           "needle_position": at, "number": number, "found": str(number) in answer,
+                           "answer": answer}

@@ -1,0 +1,75 @@
+"""Scoring a text under eviction: mean next-token NLL, and fidelity to `full` (top-1 agreement, KL).
+
+Every token is scored in `stream` mode, i.e. as if the text were generated one token at a time through the
+evicting cache (spec: "Evaluation scores every token under this mode"). The text goes through the model in
+chunks: each layer computes q, k, v for the whole chunk at once and runs only the small per-token
+eviction loop sequentially (`cache.LayerCache._stream`), which equals one token at a time.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+from tqdm import tqdm
+
+from ..generate import Decoder, left_pad
+from ..model import Transformer
+from ..policies import Policy
+
+
+@torch.inference_mode()
+def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 256,
+               compare_full: bool = False, compile: bool = False, reference: torch.Tensor | None = None) -> dict:
+    """Mean NLL (nats) of tokens 1..N-1 given their prefixes under `policy`; with `compare_full`, also the
+    share of positions whose argmax equals full's (`top1_agree_full`) and mean KL(full || policy).
+    `reference`: full's log-probs (`full_logprobs`), when a sweep has them already."""
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    T = x.shape[1]
+    full_seconds = 0.0
+    if compare_full and reference is None:
+        t0 = time.perf_counter()
+        reference = full_logprobs(model, ids)
+        full_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    decoder = Decoder(model, compile=compile, chunk=chunk)
+    chunks = tqdm(teacher_forced(decoder, policy, [ids]), total=-(-T // chunk), desc=f"eval {policy.name}",
+                  unit="chunk", disable=None, leave=False)
+    logprobs = torch.cat([logits[0].log_softmax(-1) for _, logits in chunks])  # (T, V)
+    seconds = time.perf_counter() - t0
+    lp = logprobs[:-1]  # (T-1, V): position i predicts token i+1
+    nll = -lp.gather(1, x[0, 1:, None]).mean().item()
+    out = {"policy": policy.name, "params": _params(policy), "capacity": min(policy.capacity or T, T),
+           "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3)}
+    if compare_full:
+        out["top1_agree_full"] = (lp.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        out["kl_full"] = (reference.exp() * (reference - lp)).sum(-1).mean().item()
+        out["seconds_full"] = round(full_seconds, 3)
+    return out
+
+
+@torch.inference_mode()
+def full_logprobs(model: Transformer, ids: list[int]) -> torch.Tensor:
+    """(T-1, V): full's next-token log-probs, one causal pass (what `compare_full` compares with)."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    return model(x, torch.arange(x.shape[1], device=x.device)[None])[0, :-1].log_softmax(-1)
+
+
+def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
+    """The logits of left-padded rows read teacher-forced under `policy`, chunk by chunk:
+    (start, (B, k, V) fp32). Stream mode, unless C >= the longest row: then nothing is ever evicted and one
+    causal pass gives the same logits."""
+    model, chunk = decoder.model, decoder.chunk
+    idx, pos = left_pad(rows, device=next(model.parameters()).device)
+    T = idx.shape[1]
+    cache = decoder.new_cache(policy, idx.shape[0], T)
+    if cache.capacity >= T:
+        yield 0, model(idx, pos)
+        return
+    for s in range(0, T, chunk):
+        yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")
+
+
+def _params(policy: Policy) -> dict:
+    return {k: v for k, v in vars(policy).items()}

@@ -171,12 +171,13 @@ def scored_ids(lm: LM, text: str, tokens: int) -> list[int]:
 
 
 def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
-               compare_full: bool = False, chunk: int = 256, compile: bool = False, reference=None) -> dict:
+               compare_full: bool = False, chunk: int = 256, compile: bool = False, reference=None,
+               progress: bool = True) -> dict:
     """eval ppl: NLL and perplexity of the text's first `tokens` tokens under a policy (see evals/ppl.py)."""
     ids = scored_ids(lm, text, tokens)
     pol = as_policy(policy, budget, tokens, recent)
     result = score_text(lm.model, ids, pol, chunk=chunk, compare_full=compare_full, compile=compile,
-                        reference=reference)
+                        reference=reference, progress=progress)
     if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
         raise UserError(f"the model gave non-finite log-probabilities on this text ({result})")
     return result

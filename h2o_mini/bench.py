@@ -177,22 +177,23 @@ def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int,
             runs[policy, budget].append(bench_one(lm, decoder, policy, budget, b, prompt_tokens, new_tokens, prefill,
                                                   recent if REGISTRY[policy].takes_recent else None, text,
                                                   same_prompt))
-            if r == repeat - 1:  # this configuration's last run: its row is ready now
-                yield _row(runs[policy, budget], cap, vs_hf and (lm, text, b, prompt_tokens, new_tokens, param))
+            if r < repeat - 1:
+                continue
+            row = _median(runs[policy, budget], cap)  # this configuration's last run: its row is ready now
+            if vs_hf:
+                row.update(bench_hf(lm.folder, b, text_prompts(lm, text, b, prompt_tokens), new_tokens, param.dtype,
+                                    param.device))
+                both = row["decode_tok_s"] and row["hf_decode_tok_s"]
+                row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
+            yield row
 
 
-def _row(runs: list[dict], cap: int | None, hf) -> dict:
-    """The median run of one configuration, with the HF comparison when asked."""
+def _median(runs: list[dict], cap: int | None) -> dict:
+    """The run of one configuration with the median decode rate, and every run's rate."""
     done = sorted(runs, key=lambda row: row["decode_tok_s"] or 0.0)
     row = dict(done[len(done) // 2], decode_tok_s_runs=[x["decode_tok_s"] for x in runs])
     if cap is not None:
         row["kv_memory_cap"] = cap
-    if hf:
-        lm, text, b, prompt_tokens, new_tokens, param = hf
-        prompts = text_prompts(lm, text, b, prompt_tokens)
-        row.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
-        both = row["decode_tok_s"] and row["hf_decode_tok_s"]
-        row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
     return row
 
 

@@ -88,7 +88,8 @@ def ppl(model, dtype, device, policies, budgets, recent, text_path, tokens, comp
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     compile = device.startswith("cuda") if compile is None else compile
-    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile)
+    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile,
+                            progress=not as_json)
     if as_json:
         click.echo(json.dumps(result, allow_nan=False))
         return
@@ -119,8 +120,8 @@ def task_result(results: dict, model: str, policy: str, budget) -> dict:
 
 @eval_.command(short_help="lm-evaluation-harness tasks under a policy.", epilog="""\b
 Examples:
-  h2o-mini eval tasks --tasks gpl_next_sentence --limit 20 --policy h2o --budget 0.2
-  h2o-mini eval tasks --tasks gpl_next_sentence --num-fewshot 2 --limit 20 --json
+  h2o-mini eval tasks --tasks gpl_next_sentence --limit 10 --policy h2o --budget 32
+  h2o-mini eval tasks --tasks gpl_next_sentence --num-fewshot 2 --limit 10 --json
   h2o-mini eval tasks --tasks my_task --include-path ./my_tasks --policy local --budget 64 --output out.json
 """)
 @model_options
@@ -139,7 +140,7 @@ def tasks(model, dtype, device, policies, budgets, recent, tasks, include_path, 
     lm = api.load(model, dtype, device)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     results = harness.run_tasks(lm, names, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
-                                prefill)
+                                prefill, progress=not as_json)
     row = task_result(results, str(model), policy, budget)
     if output:
         write_atomic(output, lambda tmp: tmp.write_text(json.dumps(row, indent=2, default=str)))
@@ -153,8 +154,8 @@ def tasks(model, dtype, device, policies, budgets, recent, tasks, include_path, 
 @eval_.command(short_help="Needle in a haystack under policies and budgets.", epilog="""\b
 Examples:
   h2o-mini eval needle --lengths 1024 --depths 0.5 --policy full --policy h2o --budget 0.2
-  h2o-mini eval needle --lengths 512,1024 --depths 0.1,0.9 --policy h2o --budget 0.2 --prefill stream --json
-  h2o-mini eval needle --lengths 1024 --depths 0.1,0.5,0.9 --policy h2o --budget 0.2 --plot needle.png
+  h2o-mini eval needle --lengths 512 --depths 0.1,0.9 --policy h2o --budget 0.2 --prefill stream --json
+  h2o-mini eval needle --lengths 1024 --depths 0.1,0.9 --policy h2o --budget 0.2 --plot needle.png
 """)
 @model_options
 @repeatable_policies
@@ -175,7 +176,7 @@ def needle(model, dtype, device, policies, budgets, recent, text_path, lengths, 
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     cells = []
-    for cell in run_needle(lm, text, lengths, depths, seeds, todo, prefill, chat):
+    for cell in run_needle(lm, text, lengths, depths, seeds, todo, prefill, chat, progress=not as_json):
         cells.append(cell)
         if as_json:
             click.echo(json.dumps(cell))

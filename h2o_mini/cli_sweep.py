@@ -69,7 +69,8 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, out, plot_path, a
     def point(p, b):
         if not reference:
             reference.append(full_logprobs(lm.model, api.scored_ids(lm, text, tokens)))
-        return [api.perplexity(lm, text, tokens, p, b, _recent(p, recent), True, chunk, compile, reference[0])]
+        return [api.perplexity(lm, text, tokens, p, b, _recent(p, recent), True, chunk, compile, reference[0],
+                               progress=False)]
     _sweep("ppl", policies, budgets, out, plot_path, as_json, lm.folder.name, point)
 
 
@@ -87,12 +88,12 @@ def sweep_needle(model, dtype, device, policies, budgets, recent, out, plot_path
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     _sweep("needle", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: list(run_needle(
-        lm, text, lengths, depths, seeds, [(p, b, _recent(p, recent))], prefill, chat)))
+        lm, text, lengths, depths, seeds, [(p, b, _recent(p, recent))], prefill, chat, progress=False)))
 
 
 @sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
 Example:
-  h2o-mini eval sweep tasks --tasks gpl_next_sentence --limit 20 --policy h2o --policy local --budget 0.2
+  h2o-mini eval sweep tasks --tasks gpl_next_sentence --limit 10 --policy h2o --policy local --budget 32
 """)
 @sweep_options
 @tasks_options
@@ -104,5 +105,5 @@ def sweep_tasks(model, dtype, device, policies, budgets, recent, out, plot_path,
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     _sweep("tasks", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: [task_result(
         harness.run_tasks(lm, names, include_path, num_fewshot, limit, batch_size, p, b, _recent(p, recent),
-                          prefill), str(model), p, b)])
+                          prefill, progress=False), str(model), p, b)])
 

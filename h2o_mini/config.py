@@ -116,7 +116,8 @@ class Fields:
               bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
               dict: lambda v: isinstance(v, dict)}[kind]
         if not ok(value):
-            raise UserError(f"{self.path}: {key!r} is {value!r}, expected {'a finite number' if kind is float else kind.__name__}")
+            expected = "a finite number" if kind is float else kind.__name__
+            raise UserError(f"{self.path}: {key!r} is {value!r}, expected {expected}")
         return float(value) if kind is float else value
 
     def count(self, key: str, default=_REQUIRED, low: int = 1) -> int:

@@ -33,8 +33,9 @@ from .ppl import teacher_forced
 
 class PolicyLM(TemplateLM):
     def __init__(self, lm: LM, policy: str = "full", budget=None, recent=None, prefill: str = "dense",
-                 batch_size: int = 8, chunk: int = 256, compile: bool = False):
+                 batch_size: int = 8, chunk: int = 256, compile: bool = False, progress: bool = True):
         super().__init__()
+        self.quiet = not progress
         self.lm, self.policy, self.budget, self.recent, self.prefill = lm, policy, budget, recent, prefill
         self.batch_size, self.decoder = batch_size, Decoder(lm.model, compile=compile, chunk=chunk)
         make_policy(policy, budget, 1000, recent)  # a bad budget fails here, before any request
@@ -77,7 +78,7 @@ class PolicyLM(TemplateLM):
         for i, (inp, _) in enumerate(rows):
             groups[self.policy_for(len(inp))].append(i)
         out: list[tuple[float, bool] | None] = [None] * len(rows)
-        bar = tqdm(total=len(rows), desc=f"loglikelihood ({self.policy})", disable=disable_tqdm or None)
+        bar = tqdm(total=len(rows), desc=f"loglikelihood ({self.policy})", disable=disable_tqdm or self.quiet or None)
         for policy, members in groups.items():
             members.sort(key=lambda i: -len(rows[i][0]))
             for b in range(0, len(members), self.batch_size):
@@ -106,7 +107,7 @@ class PolicyLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
-        for (text,) in tqdm([r.args for r in requests], desc="rolling", disable=disable_tqdm or None):
+        for (text,) in tqdm([r.args for r in requests], desc="rolling", disable=disable_tqdm or self.quiet or None):
             windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                 context_len=1))
@@ -116,7 +117,8 @@ class PolicyLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
-        for context, kwargs in tqdm([r.args for r in requests], desc="generate", disable=disable_tqdm or None):
+        bar = tqdm([r.args for r in requests], desc="generate", disable=disable_tqdm or self.quiet or None)
+        for context, kwargs in bar:
             kwargs = dict(kwargs or {})
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
@@ -146,7 +148,8 @@ SHIPPED_TASKS = Path(__file__).with_name("tasks")  # gpl_next_sentence: an offli
 
 def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_fewshot: int | None = None,
               limit: int | None = None, batch_size: int = 8, policy: str = "full", budget=None, recent=None,
-              prefill: str = "dense", log_samples: bool = False, compile: bool = False) -> dict:
+              prefill: str = "dense", log_samples: bool = False, compile: bool = False,
+              progress: bool = True) -> dict:
     """`lm_eval.simple_evaluate` with h2o-mini under a policy; the shipped tasks are always available."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local data only: no hub at run time
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -155,7 +158,7 @@ def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_few
     paths = [str(SHIPPED_TASKS)] + ([include_path] if include_path else [])
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"--include-path {include_path} is not a folder")
-    model = PolicyLM(lm, policy, budget, recent, prefill, batch_size, compile=compile)
+    model = PolicyLM(lm, policy, budget, recent, prefill, batch_size, compile=compile, progress=progress)
     try:
         manager = TaskManager(include_path=paths)
         unknown = [t for t in tasks if t not in manager.all_tasks]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+from tqdm import tqdm
+
 from ..api import LM, as_policy
 from ..errors import UserError
 from ..generate import Decoder
@@ -52,7 +54,8 @@ def haystack(lm: LM, filler: list[int], length: int, depth: float, number: int, 
 
 
 def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds: int, policies: list[tuple],
-               prefill: str, chat: bool | None = None, compile: bool = False) -> Iterator[dict]:
+               prefill: str, chat: bool | None = None, compile: bool = False,
+               progress: bool = True) -> Iterator[dict]:
     """One cell per (policy, budget) x length x depth x seed; policies: (name, budget, recent) triples."""
     for d in depths:
         if not 0 <= d <= 1:
@@ -67,6 +70,8 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
     for name, budget, recent in policies:
         as_policy(name, budget, max(lengths) + ANSWER_TOKENS, recent)
     decoder = Decoder(lm.model, compile=compile)
+    bar = tqdm(total=len(lengths) * len(depths) * seeds * len(policies), desc="needle", unit="cell",
+               disable=None if progress else True)
     for length in lengths:
         for depth in depths:
             for seed in range(seeds):
@@ -84,3 +89,5 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
                            "prefill": prefill, "length": length, "depth": depth, "seed": seed,
                            "needle_position": at, "number": number, "found": str(number) in answer,
                            "answer": answer}
+                    bar.update()
+    bar.close()

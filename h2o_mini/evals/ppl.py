@@ -20,7 +20,8 @@ from ..policies import Policy
 
 @torch.inference_mode()
 def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 256,
-               compare_full: bool = False, compile: bool = False, reference: torch.Tensor | None = None) -> dict:
+               compare_full: bool = False, compile: bool = False, reference: torch.Tensor | None = None,
+               progress: bool = True) -> dict:
     """Mean NLL (nats) of tokens 1..N-1 given their prefixes under `policy`; with `compare_full`, also the
     share of positions whose argmax equals full's (`top1_agree_full`) and mean KL(full || policy).
     `reference`: full's log-probs (`full_logprobs`), when a sweep has them already."""
@@ -35,7 +36,7 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
     t0 = time.perf_counter()
     decoder = Decoder(model, compile=compile, chunk=chunk)
     chunks = tqdm(teacher_forced(decoder, policy, [ids]), total=-(-T // chunk), desc=f"eval {policy.name}",
-                  unit="chunk", disable=None, leave=False)
+                  unit="chunk", disable=None if progress else True, leave=False)
     logprobs = torch.cat([logits[0].log_softmax(-1) for _, logits in chunks])  # (T, V)
     seconds = time.perf_counter() - t0
     lp = logprobs[:-1]  # (T-1, V): position i predicts token i+1

@@ -171,8 +171,8 @@ def needle(model, dtype, device, policies, budgets, recent, text_path, lengths, 
         check_output(plot_path, IMAGE)
     lengths = [int(n) for n in _floats(lengths, "--lengths")]
     depths = _floats(depths, "--depths")
-    todo = [(p, b, recent if REGISTRY[p].takes_recent else None) for p, b in points(policies or ("full",),
-                                                                                   budgets or ("0.2",))]
+    pairs = points(policies or ("full",), budgets or ("0.2",), with_full=False)
+    todo = [(p, b, recent if REGISTRY[p].takes_recent else None) for p, b in pairs]
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     cells = []
@@ -200,7 +200,7 @@ def save_needle_plot(cells: list[dict], out, model_name: str) -> None:
     from .plot import save_heatmaps
     panels: dict[str, dict] = {}
     for c in cells:
-        label = f"{c['policy']} {c['budget'] or ''} ({c['prefill']})"
+        label = f"{c['policy']}{' ' + c['budget'] if c['budget'] else ''} ({c['prefill']})"
         cell = panels.setdefault(label, {}).setdefault((c["depth"], c["length"]), [])
         cell.append(c["found"])
     shares = {label: {k: sum(v) / len(v) for k, v in grid.items()} for label, grid in panels.items()}

@@ -93,7 +93,7 @@ def sweep_needle(model, dtype, device, policies, budgets, recent, out, plot_path
 
 @sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
 Example:
-  h2o-mini eval sweep tasks --tasks gpl_next_sentence --limit 10 --policy h2o --policy local --budget 32
+  h2o-mini eval sweep tasks --tasks gpl_next_sentence --limit 5 --policy h2o --policy local --budget 32
 """)
 @sweep_options
 @tasks_options

@@ -49,9 +49,10 @@ def figure(panels: int, size: tuple[float, float]):
     return plt, fig, list(axes[0])
 
 
-def save(plt, fig, out) -> None:
+def save(plt, fig, out, tight: bool = True) -> None:
     """Write the figure atomically (a complete picture or none), then free it."""
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     try:
         write_atomic(out, lambda tmp: fig.savefig(tmp, dpi=110))
     finally:
@@ -82,6 +83,8 @@ def save_heatmaps(panels: dict[str, dict[tuple[float, int], float]], out: Path, 
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("needle depth")
         ax.set_title(label, fontsize=9)
-    fig.colorbar(image, ax=axes, fraction=0.05, label="found")
     fig.suptitle(title, fontsize=10)
-    save(plt, fig, out)
+    fig.tight_layout(rect=(0, 0, 0.92, 1))  # room on the right for the shared colour bar
+    bar = fig.colorbar(image, cax=fig.add_axes((0.93, 0.15, 0.012, 0.7)))
+    bar.ax.set_title("found", fontsize=8)
+    save(plt, fig, out, tight=False)

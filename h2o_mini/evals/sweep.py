@@ -1,6 +1,6 @@
 """`h2o-mini eval sweep ppl|needle|tasks`: every policy at every budget, one table, one plot.
 
-A sweep is a list of points (policy, budget); `full` is one point whatever the budgets. Each finished
+A sweep is a list of points (policy, budget); `full` is always one point, whatever the policies and budgets. Each finished
 point's rows are appended to `--out` (JSON lines) at once and flushed, and a rerun with the same `--out`
 skips the points already there, so a long sweep survives an interruption. The plot draws quality against
 budget, one line per policy, `full` as a horizontal line.
@@ -24,8 +24,10 @@ METRICS = {
 }
 
 
-def points(policies, budgets) -> list[tuple[str, str | None]]:
-    policies = policies or tuple(REGISTRY)
+def points(policies, budgets, with_full: bool = True) -> list[tuple[str, str | None]]:
+    """(policy, budget) pairs, `full` once whatever the budgets. A sweep always has it, first: it is the line
+    every other policy is read against."""
+    policies = ("full",) * with_full + tuple(policies or REGISTRY)
     budgets = budgets or DEFAULT_BUDGETS
     return list(dict.fromkeys((p, None if p == "full" else b) for p in policies for b in budgets))
 
@@ -98,6 +100,9 @@ def save_sweep_plot(kind: str, results: dict[tuple, list[dict]], out, title: str
             continue
         ax.plot([b for b, _ in mine], [v for _, v in mine], marker="o", label=policy)
     ax.set_xscale("log")
+    ticks = sorted({float(r["budget"]) for r in rows if r["budget"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     if kind == "ppl":
         ax.set_yscale("log")
     ax.set_xlabel("budget (fraction of the sequence, or tokens)")

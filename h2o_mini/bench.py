@@ -21,7 +21,7 @@ from .files import read_text
 from .cache import KVCache
 from .errors import UserError
 from .generate import Decoder, cache_capacity, left_pad
-from .policies import REGISTRY, make_policy
+from .policies import REGISTRY, make_policy, recent_if_taken
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -164,7 +164,7 @@ def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int,
     lm.model.cfg.check_length(length, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
     batches = {}
     for policy, budget in configs:  # every configuration checked before the first one runs
-        per_row = kv_bytes_per_row(lm, policy, budget, length, recent if REGISTRY[policy].takes_recent else None)
+        per_row = kv_bytes_per_row(lm, policy, budget, length, recent_if_taken(policy, recent))
         batches[policy, budget] = batch if cap is None else min(max_batch, cap // per_row)
         if batches[policy, budget] < 1:
             raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
@@ -175,8 +175,7 @@ def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int,
         for (policy, budget), b in batches.items():
             log(f"bench: {policy} budget={budget} batch={b} prompt={prompt_tokens} new={new_tokens} run {r + 1}/{repeat}")
             runs[policy, budget].append(bench_one(lm, decoder, policy, budget, b, prompt_tokens, new_tokens, prefill,
-                                                  recent if REGISTRY[policy].takes_recent else None, text,
-                                                  same_prompt))
+                                                  recent_if_taken(policy, recent), text, same_prompt))
             if r < repeat - 1:
                 continue
             row = _median(runs[policy, budget], cap)  # this configuration's last run: its row is ready now

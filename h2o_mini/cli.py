@@ -19,8 +19,8 @@ from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
 from .cli_eval import eval_
 from .cli_sweep import sweep
-from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, Finite, model_options, policy_options
-from .policies import BUDGET_HELP, REGISTRY, describe
+from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, Finite, ListOf, model_options, policy_options
+from .policies import BUDGET_HELP, REGISTRY, describe, recent_if_taken
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
@@ -189,13 +189,9 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
     check_output(out, IMAGE)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
-    ids = lm.tokenizer.encode(text)[:tokens]
-    if len(ids) < tokens:
-        raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
-    lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
+    ids = api.scored_ids(lm, text, tokens)
     names = policies or ("local", "heavy_hitter", "h2o")
-    chosen = [api.as_policy(n, None if n == "full" else budget, tokens,
-                            recent if REGISTRY[n].takes_recent else None) for n in names]
+    chosen = [api.as_policy(n, None if n == "full" else budget, tokens, recent_if_taken(n, recent)) for n in names]
     matrices = {}
     for name, policy in zip(names, chosen):
         label = f"{name} ({', '.join(f'{k}={v}' for k, v in vars(policy).items()) or 'all'})"
@@ -215,7 +211,7 @@ Example:
 @model_options
 @click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True)
 @click.option("--tokens", default=1024, show_default=True, type=click.IntRange(2, 65536))
-@click.option("--layers", default="0", show_default=True, help="comma-separated layer indices")
+@click.option("--layers", default="0", show_default=True, type=ListOf(int), help="comma-separated layer indices")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="a .png, .pdf or .svg file")
 @click.option("--json", "as_json", is_flag=True, help="one JSON line per layer (top20_share, ...)")
 def attention(model, dtype, device, text_path, tokens, layers, out, as_json):
@@ -223,26 +219,18 @@ def attention(model, dtype, device, text_path, tokens, layers, out, as_json):
     and query heads), sorted, on log-log axes; the legend gives the share held by the top 20%."""
     from .evals.attention import accumulated_attention, save_attention_plot, top_share
     check_output(out, IMAGE)
-    try:
-        chosen = [int(x) for x in layers.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--layers {layers!r} is not a comma-separated list of layer indices") from None
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
-    bad = [x for x in chosen if not 0 <= x < lm.model.cfg.n_layer]
-    if bad or not chosen:
-        raise UserError(f"--layers must be in [0, {lm.model.cfg.n_layer}), got {layers!r}")
-    ids = lm.tokenizer.encode(text)[:tokens]
-    if len(ids) < tokens:
-        raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
-    lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
-    curves = accumulated_attention(lm.model, ids, chosen)
+    if any(not 0 <= x < lm.model.cfg.n_layer for x in layers):
+        raise UserError(f"--layers must be in [0, {lm.model.cfg.n_layer}), got {','.join(map(str, layers))}")
+    ids = api.scored_ids(lm, text, tokens)
+    curves = accumulated_attention(lm.model, ids, layers)
     save_attention_plot(curves, Path(out), f"{lm.folder.name}: attention received, {tokens} tokens")
-    for layer, received in curves.items():
-        if as_json:
+    if as_json:
+        for layer, received in curves.items():
             click.echo(json.dumps({"layer": layer, "tokens": tokens, "top20_share": top_share(received),
                                    "max": received.max().item(), "median": received.median().item()}))
-    if not as_json:
+    else:
         click.echo(out)
 
 

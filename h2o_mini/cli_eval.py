@@ -9,10 +9,10 @@ import click
 
 from . import api
 from .bench import DEFAULT_TEXT
-from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, model_options
+from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, ListOf, model_options
 from .errors import UserError
 from .files import check_output, read_text, write_atomic
-from .policies import BUDGET_HELP, REGISTRY
+from .policies import BUDGET_HELP, REGISTRY, recent_if_taken
 
 
 def _one(values: tuple, flag: str, command: str):
@@ -46,14 +46,8 @@ def tasks_options(f):
     f = click.option("--limit", default=None, type=click.IntRange(1, COUNT), help="at most N items per task")(f)
     f = click.option("--num-fewshot", default=None, type=click.IntRange(0, 1000))(f)
     f = click.option("--include-path", default=None, help="a folder of task YAMLs (local data works offline)")(f)
-    return click.option("--tasks", required=True, help="comma-separated task names, e.g. gpl_next_sentence")(f)
-
-
-def _floats(text: str, flag: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag} {text!r} is not a comma-separated list of numbers") from None
+    return click.option("--tasks", required=True, type=ListOf(str),
+                        help="comma-separated task names, e.g. gpl_next_sentence")(f)
 
 
 def needle_options(f):
@@ -61,8 +55,10 @@ def needle_options(f):
     f = click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))(f)
     f = click.option("--seeds", default=1, show_default=True, type=click.IntRange(1, 1000),
                      help="needles (numbers) per cell")(f)
-    f = click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="where the needle sits, in [0, 1]")(f)
-    f = click.option("--lengths", default="1024,2048,4096", show_default=True, help="prompt tokens")(f)
+    f = click.option("--depths", default="0.1,0.5,0.9", show_default=True, type=ListOf(float),
+                     help="where the needle sits, in [0, 1]")(f)
+    f = click.option("--lengths", default="1024,2048,4096", show_default=True, type=ListOf(int),
+                     help="prompt tokens")(f)
     return click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True,
                         help="real filler text")(f)
 
@@ -138,8 +134,7 @@ def tasks(model, dtype, device, policies, budgets, recent, tasks, include_path, 
     if output:
         check_output(output, (".json",))
     lm = api.load(model, dtype, device)
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    results = harness.run_tasks(lm, names, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
+    results = harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
                                 prefill, progress=not as_json)
     row = task_result(results, str(model), policy, budget)
     if output:
@@ -169,10 +164,8 @@ def needle(model, dtype, device, policies, budgets, recent, text_path, lengths, 
     from .evals.sweep import points
     if plot_path:
         check_output(plot_path, IMAGE)
-    lengths = [int(n) for n in _floats(lengths, "--lengths")]
-    depths = _floats(depths, "--depths")
     pairs = points(policies or ("full",), budgets or ("0.2",), with_full=False)
-    todo = [(p, b, recent if REGISTRY[p].takes_recent else None) for p, b in pairs]
+    todo = [(p, b, recent_if_taken(p, recent)) for p, b in pairs]
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     cells = []

@@ -37,6 +37,26 @@ class Budget(click.ParamType):
         return value
 
 
+class ListOf(click.ParamType):
+    """A comma-separated list ('0.1,0.5,0.9'), each item converted by `kind` (int, float or str) at parse time."""
+
+    name = "list"
+
+    def __init__(self, kind=float):
+        self.kind = kind
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            items = [self.kind(x.strip()) for x in str(value).split(",") if x.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of {self.kind.__name__} values", param, ctx)
+        if not items:
+            self.fail("the list is empty", param, ctx)
+        return items
+
+
 def model_options(f):
     f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N")(f)
     f = click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")(f)

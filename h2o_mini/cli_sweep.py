@@ -9,12 +9,11 @@ from pathlib import Path
 import click
 
 from . import api
-from .cli_eval import (_floats, _harness, needle_options, ppl_options, repeatable_policies, task_result,
-                       tasks_options)
+from .cli_eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
 from .cli_options import IMAGE, model_options
 from .evals.sweep import points, run_sweep, save_sweep_plot, table
 from .files import check_output, read_text
-from .policies import REGISTRY
+from .policies import recent_if_taken
 
 
 def sweep_options(f):
@@ -41,10 +40,6 @@ def _sweep(kind: str, policies, budgets, out, plot_path, as_json, model_name: st
         save_sweep_plot(kind, results, Path(plot_path), f"{model_name}: {kind} under eviction")
 
 
-def _recent(policy: str, recent):
-    return recent if REGISTRY[policy].takes_recent else None
-
-
 @click.group(short_help="Every policy at every budget: one table, one plot.")
 def sweep():
     """Every --policy at every --budget (default: all registered policies x 0.05 0.1 0.2 0.5)."""
@@ -69,7 +64,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, out, plot_path, a
     def point(p, b):
         if not reference:
             reference.append(full_logprobs(lm.model, api.scored_ids(lm, text, tokens)))
-        return [api.perplexity(lm, text, tokens, p, b, _recent(p, recent), True, chunk, compile, reference[0],
+        return [api.perplexity(lm, text, tokens, p, b, recent_if_taken(p, recent), True, chunk, compile, reference[0],
                                progress=False)]
     _sweep("ppl", policies, budgets, out, plot_path, as_json, lm.folder.name, point)
 
@@ -84,11 +79,10 @@ def sweep_needle(model, dtype, device, policies, budgets, recent, out, plot_path
                  depths, seeds, prefill, chat):
     """eval needle at every point; a point's score is the share of its cells where the needle was found."""
     from .evals.needle import run_needle
-    lengths, depths = [int(n) for n in _floats(lengths, "--lengths")], _floats(depths, "--depths")
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     _sweep("needle", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: list(run_needle(
-        lm, text, lengths, depths, seeds, [(p, b, _recent(p, recent))], prefill, chat, progress=False)))
+        lm, text, lengths, depths, seeds, [(p, b, recent_if_taken(p, recent))], prefill, chat, progress=False)))
 
 
 @sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
@@ -102,8 +96,7 @@ def sweep_tasks(model, dtype, device, policies, budgets, recent, out, plot_path,
     """eval tasks at every point; a point's score is the first task's main metric (acc where it has one)."""
     harness = _harness()
     lm = api.load(model, dtype, device)
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
     _sweep("tasks", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: [task_result(
-        harness.run_tasks(lm, names, include_path, num_fewshot, limit, batch_size, p, b, _recent(p, recent),
+        harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, p, b, recent_if_taken(p, recent),
                           prefill, progress=False), str(model), p, b)])
 

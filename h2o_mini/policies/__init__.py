@@ -30,4 +30,10 @@ def make_policy(name: str, budget: str | float | int | None, length: int, recent
     return cls.from_budget(capacity, recent_for(recent, capacity))
 
 
-__all__ = ["BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O", "Sinks"]
+def recent_if_taken(name: str, recent):
+    """`--recent` for a policy that splits C by it, else None: one --recent given to several policies
+    (bench, sweeps, plots) reaches only those it means something to."""
+    return recent if REGISTRY[name].takes_recent else None
+
+
+__all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O", "Sinks"]

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, note
 from .evals.ppl import score_text
 from .generate import Decoder, Sampling
 from .model import Transformer
@@ -46,7 +45,7 @@ class LM:
 def resolve_model(model: str | Path | None) -> Path:
     """'default' or None -> the converted default model (prepared on first use); else the folder itself."""
     if model is None or str(model) == "default":
-        return prepare_default_model(log=lambda msg: print(msg, file=sys.stderr))
+        return prepare_default_model(log=note)
     return Path(model)
 
 
@@ -100,7 +99,7 @@ def encode_prompts(lm: LM, prompts: list[str], chat: bool | None = None) -> list
     return [lm.tokenizer.encode(p) for p in prompts]
 
 
-def room_for(lm: LM, prompt_len: int, max_new_tokens: int, log=None) -> int:
+def room_for(lm: LM, prompt_len: int, max_new_tokens: int) -> int:
     """`max_new_tokens`, capped so that the sequence fits the model's positions (said in one line), so no
     cache is ever allocated past what the model can place. A prompt that already fills them is the
     model's `check_length` call: refused for learned positions, a warning for RoPE."""
@@ -109,16 +108,12 @@ def room_for(lm: LM, prompt_len: int, max_new_tokens: int, log=None) -> int:
     cfg = lm.model.cfg
     room = cfg.max_seq_len - prompt_len
     if room < 1:
-        cfg.check_length(prompt_len + max_new_tokens, f"a prompt of {prompt_len} tokens", log)
+        cfg.check_length(prompt_len + max_new_tokens, f"a prompt of {prompt_len} tokens")
         return max_new_tokens
     if max_new_tokens > room:
-        (log or _stderr)(f"h2o-mini: note: generating at most {room} new tokens, not {max_new_tokens}: the model "
-                         f"places {cfg.max_seq_len} positions and the prompt takes {prompt_len}")
+        note(f"h2o-mini: note: generating at most {room} new tokens, not {max_new_tokens}: the model "
+             f"places {cfg.max_seq_len} positions and the prompt takes {prompt_len}")
     return min(max_new_tokens, room)
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=None, recent=None,

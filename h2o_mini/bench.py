@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import resource
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from .api import LM
 from .files import read_text
 from .cache import KVCache
-from .errors import UserError
+from .errors import UserError, note
 from .generate import Decoder, cache_capacity, left_pad
 from .policies import REGISTRY, make_policy, recent_if_taken
 
@@ -173,7 +172,8 @@ def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int,
     runs = {config: [] for config in configs}
     for r in range(repeat):
         for (policy, budget), b in batches.items():
-            log(f"bench: {policy} budget={budget} batch={b} prompt={prompt_tokens} new={new_tokens} run {r + 1}/{repeat}")
+            note(f"bench: {policy} budget={budget} batch={b} prompt={prompt_tokens} new={new_tokens} "
+                 f"run {r + 1}/{repeat}")
             runs[policy, budget].append(bench_one(lm, decoder, policy, budget, b, prompt_tokens, new_tokens, prefill,
                                                   recent_if_taken(policy, recent), text, same_prompt))
             if r < repeat - 1:
@@ -217,7 +217,3 @@ def table(rows: list[dict]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     fmt = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([fmt(cols)] + [fmt(row) for row in cells])
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

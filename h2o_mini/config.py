@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, note
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class Config:
         if self.rope_llama3 is not None and self.rope_llama3[2] <= self.rope_llama3[1]:
             raise UserError(f"{path}: rope_scaling needs high_freq_factor > low_freq_factor")
 
-    def check_length(self, length: int, what: str, log=None) -> None:
+    def check_length(self, length: int, what: str) -> None:
         """A sequence of `length` tokens against the model's positions. Learned position embeddings (OPT) end
         at `max_seq_len`: refused. RoPE (LLaMA, NeoX) extrapolates: a one-line warning, then on."""
         if length <= self.max_seq_len:
@@ -87,12 +86,8 @@ class Config:
         if self.learned_pos:
             raise UserError(f"{what} needs {length} positions, but this {self.family} model has {self.max_seq_len} "
                             "(learned position embeddings end there)")
-        (log or _warn)(f"h2o-mini: warning: {what} reaches position {length}, past the {self.max_seq_len} "
+        note(f"h2o-mini: warning: {what} reaches position {length}, past the {self.max_seq_len} "
                        "positions this model was trained on (RoPE extrapolates; quality may drop)")
-
-
-def _warn(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 _REQUIRED = object()

@@ -126,6 +126,15 @@ class Decoder:
                                 last_only=True)
         return logits[:, -1]
 
+    def complete(self, prompt: list[int], policy: Policy, max_new_tokens: int, prefill: str = "dense",
+                 eos_ids: tuple[int, ...] = ()) -> Iterator[int]:
+        """One prompt, greedily: its new token ids, one at a time, up to (not including) the first EOS."""
+        for token in self.generate([prompt], policy, max_new_tokens, prefill, eos_ids=eos_ids):
+            t = int(token[0])
+            if t in eos_ids:
+                return
+            yield t
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], policy: Policy, max_new_tokens: int, prefill: str = "dense",
                  sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (), seed: int | None = None,

@@ -239,3 +239,25 @@ def test_sweep_needle_and_tasks(folder, task_dir, tmp_path, capsys, monkeypatch)
     assert all(r["metric"] == "acc,none" and 0 <= r["score"] <= 1 for r in rows)
     one_line_error(run_cli(capsys, monkeypatch, "eval", "sweep", "ppl", "--model", folder, "--text", GPL3,
                            "--tokens", 10, "--out", tmp_path / "x.txt"), "unknown extension")
+
+
+class _Request:  # what lm-eval hands a model: an object with .args
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_generate_until_and_loglikelihood_rolling(lm):
+    from h2o_mini.evals.harness import PolicyLM
+    harness = PolicyLM(lm, "h2o", 16)
+    context = GPL3.read_text()[2000:2100]
+    free = api.generate(lm, context, policy="h2o", budget=16, max_new_tokens=12, chat=False, prefill="dense")
+    stop = free[3:5]  # a stop string that occurs in the greedy continuation
+    [got] = harness.generate_until([_Request(context, {"until": [stop], "max_gen_toks": 12})])
+    assert got == free.split(stop)[0] and len(got) < len(free)
+    [whole] = PolicyLM(lm).generate_until([_Request(context, {"until": ["\x00"], "max_gen_toks": 12})])
+    assert whole == api.generate(lm, context, max_new_tokens=12, chat=False)
+    text = GPL3.read_text()[3000:3050]
+    [rolling] = PolicyLM(lm).loglikelihood_rolling([_Request(text)])
+    x = torch.tensor([[2] + lm.tokenizer.encode(text)])  # one window, after EOS (2) as lm-eval's prefix
+    lp = lm.model(x, torch.arange(x.shape[1])[None])[0, :-1].log_softmax(-1)
+    assert abs(rolling - lp.gather(1, x[0, 1:, None]).sum().item()) < 1e-3

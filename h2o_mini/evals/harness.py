@@ -128,10 +128,7 @@ class PolicyLM(TemplateLM):
             ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
             policy = self.policy_for(len(ids) + max_new)
             tokens = []
-            for token in self.decoder.generate([ids], policy, max_new, self.prefill, eos_ids=self.lm.eos_ids):
-                t = int(token[0])
-                if t in self.lm.eos_ids:
-                    break
+            for t in self.decoder.complete(ids, policy, max_new, self.prefill, self.lm.eos_ids):
                 tokens.append(t)
                 text = self.tok_decode(tokens)
                 if any(stop in text for stop in until):

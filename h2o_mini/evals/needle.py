@@ -79,11 +79,7 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
                 ids, at = haystack(lm, filler, length, depth, number, chat)
                 for name, budget, recent in policies:
                     policy = as_policy(name, budget, length + ANSWER_TOKENS, recent)
-                    tokens = []
-                    for token in decoder.generate([ids], policy, ANSWER_TOKENS, prefill, eos_ids=lm.eos_ids):
-                        if int(token[0]) in lm.eos_ids:
-                            break
-                        tokens.append(int(token[0]))
+                    tokens = list(decoder.complete(ids, policy, ANSWER_TOKENS, prefill, lm.eos_ids))
                     answer = lm.tokenizer.decode(tokens).strip()
                     yield {"policy": name, "budget": budget, "capacity": policy.capacity or length + ANSWER_TOKENS,
                            "prefill": prefill, "length": length, "depth": depth, "seed": seed,

@@ -3,9 +3,11 @@
 from .api import generate, load, perplexity, stream
 from .config import Config
 from .errors import UserError
-from .policies import H2O, REGISTRY, Full, HeavyHitter, Local, Policy, Sinks, make_policy
+from .policies import (H2O, REGISTRY, TOVA, Full, HeavyHitter, KeyDiff, KNorm, Local, Policy, PyramidKV, Scissorhands,
+                       Sinks, SnapKV, make_policy)
 
 __version__ = "0.1.0"
 
 __all__ = ["Config", "UserError", "Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O",
-           "Sinks", "load", "generate", "stream", "perplexity"]
+           "Sinks", "TOVA", "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "load", "generate", "stream",
+           "perplexity"]

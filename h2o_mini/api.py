@@ -20,6 +20,7 @@ from .evals.ppl import score_text
 from .generate import Decoder, Sampling
 from .model import Transformer
 from .policies import Policy, make_policy
+from .quant import KV_BITS
 from .tokenizer import Tokenizer
 from .weights.default import prepare_default_model
 from .weights.hf import load_hf
@@ -74,6 +75,12 @@ def load(model: str | Path | None = None, dtype: str = "float32", device: str = 
     return LM(lm, tokenizer, folder)
 
 
+def check_kv_bits(kv_bits: int | None) -> int | None:
+    if kv_bits is not None and kv_bits not in KV_BITS:
+        raise UserError(f"kv_bits {kv_bits!r} must be one of {', '.join(map(str, KV_BITS))} (or None: unquantized)")
+    return kv_bits
+
+
 def as_policy(policy: str | Policy, budget, length: int, recent=None) -> Policy:
     if isinstance(policy, Policy):
         if budget is not None or recent is not None:
@@ -118,10 +125,12 @@ def room_for(lm: LM, prompt_len: int, max_new_tokens: int) -> int:
 
 def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=None, recent=None,
            max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
-           seed: int | None = None, chat: bool | None = None, compile: bool = False) -> Iterator[list[list[int]]]:
+           seed: int | None = None, chat: bool | None = None, compile: bool = False,
+           kv_bits: int | None = None) -> Iterator[list[list[int]]]:
     """After every decode step, the new token ids of every row so far, each cut at its first EOS.
     In a batch, a fractional budget is taken of the longest row (longest prompt + max_new_tokens), so every
-    row gets the same C; give a token count to make C independent of the other prompts."""
+    row gets the same C; give a token count to make C independent of the other prompts. kv_bits: 8 or 4
+    store keys and values quantized (see `quant.py`)."""
     if prefill not in PREFILL:
         raise UserError(f"unknown prefill mode {prefill!r} (choose from {', '.join(PREFILL)})")
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
@@ -131,8 +140,8 @@ def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=Non
     max_new_tokens = room_for(lm, longest, max_new_tokens)
     pol = as_policy(policy, budget, longest + max_new_tokens, recent)
     rows, ended = [[] for _ in ids], [False] * len(ids)
-    for token in Decoder(lm.model, compile=compile).generate(ids, pol, max_new_tokens, prefill, sampling,
-                                                             lm.eos_ids, seed):
+    decoder = Decoder(lm.model, compile=compile, kv_bits=check_kv_bits(kv_bits))
+    for token in decoder.generate(ids, pol, max_new_tokens, prefill, sampling, lm.eos_ids, seed):
         for r, t in enumerate(token.tolist()):
             ended[r] = ended[r] or t in lm.eos_ids
             if not ended[r]:
@@ -142,13 +151,14 @@ def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=Non
 
 def generate(lm: LM, prompts: str | list[str], policy: str | Policy = "full", budget=None, recent=None,
              max_new_tokens: int = 64, prefill: str = "dense", sampling: Sampling = Sampling(),
-             seed: int | None = None, chat: bool | None = None, compile: bool = False) -> str | list[str]:
+             seed: int | None = None, chat: bool | None = None, compile: bool = False,
+             kv_bits: int | None = None) -> str | list[str]:
     """Completions (text after each prompt, cut at the first EOS). One string in, one string out.
     chat=None wraps prompts in the checkpoint's chat template when it has one; False feeds them raw."""
     single = isinstance(prompts, str)
     rows = []
     for rows in stream(lm, [prompts] if single else prompts, policy, budget, recent, max_new_tokens, prefill,
-                       sampling, seed, chat, compile):
+                       sampling, seed, chat, compile, kv_bits):
         pass
     texts = [lm.tokenizer.decode(r) for r in rows]
     return texts[0] if single else texts
@@ -167,12 +177,12 @@ def scored_ids(lm: LM, text: str, tokens: int) -> list[int]:
 
 def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
                compare_full: bool = False, chunk: int = 256, compile: bool = False, reference=None,
-               progress: bool = True) -> dict:
+               progress: bool = True, kv_bits: int | None = None) -> dict:
     """eval ppl: NLL and perplexity of the text's first `tokens` tokens under a policy (see evals/ppl.py)."""
     ids = scored_ids(lm, text, tokens)
     pol = as_policy(policy, budget, tokens, recent)
     result = score_text(lm.model, ids, pol, chunk=chunk, compare_full=compare_full, compile=compile,
-                        reference=reference, progress=progress)
+                        reference=reference, progress=progress, kv_bits=check_kv_bits(kv_bits))
     if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
         raise UserError(f"the model gave non-finite log-probabilities on this text ({result})")
     return result

@@ -17,9 +17,8 @@ import torch
 
 from .api import LM
 from .files import read_text
-from .cache import KVCache
 from .errors import UserError, note
-from .generate import Decoder, cache_capacity, left_pad
+from .generate import Decoder, left_pad
 from .policies import REGISTRY, make_policy, recent_if_taken
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -69,16 +68,16 @@ def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, pr
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t0 = time.perf_counter()
-    cache: KVCache = decoder.new_cache(policy, batch, length)
+    cache = decoder.new_cache(policy, batch, length)
     if same_prompt:
         one = decoder.new_cache(policy, 1, length)
-        token = decoder.prefill(one, idx[:1], pos[:1], prefill, length).argmax(-1, keepdim=True).expand(batch, 1)
+        token = decoder.prefill(one, idx[:1], pos[:1], prefill).argmax(-1, keepdim=True).expand(batch, 1)
         for row, src in zip(cache.layers, one.layers):
-            for name in ("k", "v", "pos", "score"):
-                getattr(row, name).copy_(getattr(src, name).expand_as(getattr(row, name)))
+            for mine, its in zip(row.tensors(), src.tensors()):
+                mine.copy_(its.expand_as(mine))
         del one
     else:
-        token = decoder.prefill(cache, idx, pos, prefill, length).argmax(-1, keepdim=True)  # (B, 1)
+        token = decoder.prefill(cache, idx, pos, prefill).argmax(-1, keepdim=True)  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()
     for i in range(new_tokens - 1):
@@ -89,14 +88,9 @@ def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, pr
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill": prefill, "same_prompt": same_prompt,
             "prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
             "decode_tok_s": rate(batch * (new_tokens - 1), t2 - t1), "kv_bytes": cache.nbytes,
+            "kv_bits": cache.kv_bits,
             "peak_mem_bytes": _peak(device), "compiled": decoder.compiled,
             "device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
-
-
-def kv_bytes_per_row(lm: LM, policy_name: str, budget, length: int, recent=None) -> int:
-    policy = make_policy(policy_name, budget, length, recent)
-    dtype = next(lm.model.parameters()).dtype
-    return KVCache(lm.model.cfg, policy, 1, cache_capacity(policy, length), dtype=dtype, device="meta").nbytes
 
 
 class _StepClock:
@@ -146,11 +140,11 @@ def rate(count: int, seconds: float) -> float | None:
 
 def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int, new_tokens: int, prefill: str,
               text: Path, kv_memory: str | None, max_batch: int, vs_hf: bool, compile: bool, repeat: int = 1,
-              same_prompt: bool = False) -> Iterator[dict]:
+              same_prompt: bool = False, kv_bits: int | None = None) -> Iterator[dict]:
     """Every policy x budget (full once), one decoder (compiled once) for all; with `kv_memory`, each at the
     largest batch whose cache fits the cap (how the paper's throughput gain arises). With `repeat` > 1 the
     configurations run interleaved that many times and each row reports the median decode tokens/s (the
-    machine is shared and noisy: side-by-side ratios need it)."""
+    machine is shared and noisy: side-by-side ratios need it). kv_bits: 8 or 4 quantize keys and values."""
     cap = parse_bytes(kv_memory) if kv_memory else None
     policies = policies or ("full",)
     if budgets and all(p == "full" for p in policies):
@@ -161,13 +155,13 @@ def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int,
     configs = list(dict.fromkeys((p, None if p == "full" else b) for p in policies for b in budgets))
     length = prompt_tokens + new_tokens
     lm.model.cfg.check_length(length, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
+    decoder = Decoder(lm.model, compile=compile, kv_bits=kv_bits)
     batches = {}
     for policy, budget in configs:  # every configuration checked before the first one runs
-        per_row = kv_bytes_per_row(lm, policy, budget, length, recent_if_taken(policy, recent))
+        per_row = decoder.cache_bytes(make_policy(policy, budget, length, recent_if_taken(policy, recent)), 1, length)
         batches[policy, budget] = batch if cap is None else min(max_batch, cap // per_row)
         if batches[policy, budget] < 1:
             raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
-    decoder = Decoder(lm.model, compile=compile)
     param = next(lm.model.parameters())
     runs = {config: [] for config in configs}
     for r in range(repeat):
@@ -212,7 +206,7 @@ def parse_bytes(text: str) -> int:
 
 def table(rows: list[dict]) -> str:
     cols = ["policy", "budget", "capacity", "batch", "prompt_tokens", "new_tokens", "prefill_s", "decode_tok_s",
-            "kv_bytes", "peak_mem_bytes"] + [c for c in ("hf_decode_tok_s", "vs_hf") if c in rows[0]]
+            "kv_bits", "kv_bytes", "peak_mem_bytes"] + [c for c in ("hf_decode_tok_s", "vs_hf") if c in rows[0]]
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     fmt = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731

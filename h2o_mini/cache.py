@@ -1,9 +1,10 @@
 """A KV cache that really holds C tokens per (layer, batch row, KV head), and the eviction mechanics.
 
 Contract: `shared/spec/eviction.md`. When token t arrives: (1) if the cache is full, evict the cached token
-with the lowest keep-score (the policy's call, ties: the oldest); (2) insert t with score 0; (3) attend over
-exactly the cached tokens, softmax in fp32; (4) add each cached token's attention, summed over the query
-heads of its GQA group, to its score. Nothing here is specific to one policy.
+with the lowest keep-score (the policy's call, ties: the oldest); (2) insert t with the policy's insert
+score (0 for H2O); (3) attend over exactly the cached tokens, softmax in fp32; (4) update each cached
+token's score from this attention, summed over the query heads of its GQA group (H2O: add it). Nothing here
+is specific to one policy: every choice is a call on the `Policy` (see `policies/base.py`).
 
 Every slot has a key, a value, an original position (-1: empty) and a score. Two ideas keep this short:
 
@@ -14,6 +15,9 @@ Every slot has a key, a value, an original position (-1: empty) and a score. Two
   (prefill and evaluation): it computes the chunk's attention logits in one matmul, runs only the small
   evict/insert/softmax loop sequentially over C + chunk "virtual" slots, and compacts the survivors back
   into C slots. `dense` is the spec's dense prompt mode: causal attention over the prompt, then keep C.
+
+Keys and values are stored through a codec (`quant.py`): as they are, or as 8/4-bit integers; attention
+and policies always read the decoded tensors.
 """
 from __future__ import annotations
 
@@ -22,27 +26,37 @@ import torch.nn.functional as F
 
 from .config import Config
 from .policies import Policy
+from .quant import cat_slots, codec, gather_slots, scatter_slots_
 
 
 class LayerCache:
     """One layer's C slots per (row, KV head), and the eviction mechanics over them."""
 
     def __init__(self, cfg: Config, policy: Policy, batch: int, capacity: int, dtype, device, dense_block: int,
-                 token_fn):
-        self.policy, self.dense_block, self.token_fn = policy, dense_block, token_fn
+                 token_fn, kv_bits: int | None = None):
+        self.policy, self.capacity, self.dense_block, self.token_fn = policy, capacity, dense_block, token_fn
         self.scale = cfg.head_dim ** -0.5
+        self.codec = codec(kv_bits, cfg.head_dim, dtype)
         shape = (batch, cfg.n_kv_head, capacity)
-        self.k = torch.zeros(*shape, cfg.head_dim, dtype=dtype, device=device)  # (B, n_kv_head, C, hd), after RoPE
-        self.v = torch.zeros(*shape, cfg.head_dim, dtype=dtype, device=device)  # (B, n_kv_head, C, hd)
+        self.k = self.codec.empty(*shape, cfg.head_dim, device)  # parts of (B, n_kv_head, C, ...), after RoPE
+        self.v = self.codec.empty(*shape, cfg.head_dim, device)
         self.pos = torch.full(shape, -1, dtype=torch.int64, device=device)  # original positions, -1 = empty
-        self.score = torch.zeros(shape, dtype=torch.float32, device=device)  # accumulated attention
+        self.score = torch.zeros(shape, dtype=torch.float32, device=device)  # the policy's per-token score
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Everything the cache holds (keys and values in their stored form, positions, scores)."""
+        return (*self.k, *self.v, self.pos, self.score)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.score))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def keys(self) -> torch.Tensor:
+        return self.codec.decode(self.k)  # (B, H, C, hd) as attention reads them
 
     def attend(self, q, k, v, pos, mode: str) -> torch.Tensor:
         """q: (B, n_head, T, hd); k, v: (B, n_kv_head, T, hd); pos: (B, T). Returns (B, n_head, T, hd)."""
+        k, v = self.codec.encode(k), self.codec.encode(v)  # parts; stored as they will be read
         if mode == "step":
             return self._step(q, k, v, pos)
         if mode == "stream":
@@ -51,30 +65,32 @@ class LayerCache:
 
     # -- one token per row: the decode step (static shapes, no host sync; compiled by generate.py) --
     def _step(self, q, k, v, pos) -> torch.Tensor:
-        B, H, C, D = self.k.shape
+        policy = self.policy
         t = pos[:, :, None]  # (B, 1, 1): every row has a real token here
-        keep = self.policy.keep_score(self.score, self.pos, t).masked_fill(self.pos < 0, -torch.inf)  # (B, H, C)
+        keys = self.keys() if policy.needs_keys else None
+        keep = policy.keep_score(self.score, self.pos, t, keys).masked_fill(self.pos < 0, -torch.inf)  # (B, H, C)
         lowest = keep.amin(-1, keepdim=True)
         oldest_of_lowest = torch.where(keep == lowest, self.pos, torch.iinfo(torch.int64).max)
         slot = oldest_of_lowest.argmin(-1, keepdim=True)  # (B, H, 1): the slot token t overwrites
-        self.k.scatter_(2, slot[..., None].expand(B, H, 1, D), k)
-        self.v.scatter_(2, slot[..., None].expand(B, H, 1, D), v)
-        self.pos.scatter_(2, slot, t.expand(B, H, 1))
-        self.score.scatter_(2, slot, 0.0)
-        out, probs = self._attention(q, self.k, self.v, (self.pos >= 0)[:, :, None, :])
-        if self.policy.needs_scores:
-            self.score.copy_(self.policy.accumulate(self.score, probs[:, :, 0]))
+        scatter_slots_(self.k, slot, k)
+        scatter_slots_(self.v, slot, v)
+        self.pos.scatter_(2, slot, t.expand_as(slot))
+        self.score.scatter_(2, slot, policy.insert_score(self.codec.decode(k)))
+        attended = (self.pos >= 0)[:, :, None, :]  # (B, H, 1, C)
+        out, probs = self._attention(q, self.keys(), self.codec.decode(self.v), attended, policy.needs_scores)
+        if policy.needs_scores:
+            self.score.copy_(policy.accumulate(self.score, probs, attended))
         return out
 
-    def _attention(self, q, k, v, mask):
+    def _attention(self, q, k, v, mask, scores: bool):
         """q: (B, n_head, T, hd); k, v: (B, H, S, hd); mask: (B, H, T, S) bool, True = may attend.
-        Returns the output (B, n_head, T, hd) and, if the policy needs them, the fp32 probabilities summed
-        over each GQA group, (B, H, T, S)."""
+        Returns the output (B, n_head, T, hd) and, with `scores`, the fp32 probabilities summed over each
+        GQA group, (B, H, T, S)."""
         B, n_head, T, D = q.shape
         H, S = k.shape[1], k.shape[2]
         g = n_head // H
         qg = q.reshape(B, H, g * T, D)  # the query heads of a group side by side: K and V are never copied
-        if not self.policy.needs_scores:
+        if not scores:
             mask = mask[:, :, None].expand(B, H, g, T, S).reshape(B, H, g * T, S)
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, n_head, T, D), None
         logits = (qg @ k.transpose(-1, -2)).float() * self.scale  # (B, H, g*T, S)
@@ -84,30 +100,41 @@ class LayerCache:
         return out.view(B, n_head, T, D), probs.sum(2)
 
     # -- a prompt, densely: causal attention over it, then keep C tokens per the policy --
-    def _dense(self, q, k, v, pos) -> torch.Tensor:
-        B, H, C, D = self.k.shape
-        T = q.shape[2]
+    def _dense(self, q, k_parts, v_parts, pos) -> torch.Tensor:
+        policy, C = self.policy, self.capacity
+        k, v = self.codec.decode(k_parts), self.codec.decode(v_parts)
+        B, H, T, D = k.shape
         valid = pos >= 0  # (B, T) left padding is invalid
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         # padding queries see themselves so no softmax row is empty; they are dropped below
         mask = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=q.device)  # (B, T, T)
+        # Only the last `prompt_window` queries (all, by default) shape the scores; rows end together at T - 1.
+        first_scored = T - min(T, policy.prompt_window or T)
+        scored_query = valid & (torch.arange(T, device=q.device) >= first_scored)  # (B, T)
         out = torch.empty_like(q)
-        score = torch.zeros(B, H, T, device=q.device)
+        score = policy.insert_score(k)  # (B, H, T)
         for s in range(0, T, self.dense_block):  # query blocks bound the (T x T) probability memory
             e = min(T, s + self.dense_block)
-            out[:, :, s:e], probs = self._attention(q[:, :, s:e], k, v, mask[:, None, s:e].expand(B, H, -1, -1))
-            if probs is not None:
-                score += (probs * valid[:, None, s:e, None]).sum(2)  # s_j = sum over prompt queries
+            scores = policy.needs_scores and e > first_scored
+            block = mask[:, None, s:e].expand(B, H, -1, -1)
+            out[:, :, s:e], probs = self._attention(q[:, :, s:e], k, v, block, scores)
+            if scores:  # queries left out of the scoring attend nothing, as far as the policy sees
+                attended = block & scored_query[:, None, s:e, None]
+                score = policy.accumulate(score, probs * attended, attended)
+        score = policy.prompt_score(score)
         t_last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last prompt position
-        keep = self.policy.keep_score(score, pos[:, None, :].expand(B, H, T), t_last)
+        prompt_pos = pos[:, None, :].expand(B, H, T)
+        keys = k if policy.needs_keys else None
+        keep = policy.keep_score(score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, keys)
         keep = keep.masked_fill(~valid[:, None, :], -torch.inf)
         n = min(C, T)
         # the n highest keep-scores, ties to the newest (flip: a stable sort keeps the earlier = newer first)
         ranked = keep.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :n]
         idx = (T - 1 - ranked).sort(-1).values  # (B, H, n) kept tokens in position order
-        self.k[:, :, :n] = k.gather(2, idx[..., None].expand(B, H, n, D))
-        self.v[:, :, :n] = v.gather(2, idx[..., None].expand(B, H, n, D))
-        kept_pos = pos[:, None, :].expand(B, H, T).gather(2, idx)
+        for stored, new in ((self.k, k_parts), (self.v, v_parts)):
+            for part, kept in zip(stored, gather_slots(new, idx)):
+                part[:, :, :n] = kept
+        kept_pos = prompt_pos.gather(2, idx)
         self.pos[:, :, :n] = kept_pos.masked_fill(kept_pos < 0, -1)
         self.score[:, :, :n] = score.gather(2, idx).masked_fill(kept_pos < 0, 0.0)
         self.pos[:, :, n:] = -1
@@ -115,67 +142,83 @@ class LayerCache:
         return out
 
     # -- a chunk through the per-token rule: prefill (stream mode) and evaluation --
-    def _stream(self, q, k, v, pos) -> torch.Tensor:
-        B, H, C, D = self.k.shape
-        n_head, K = q.shape[1], q.shape[2]
+    def _stream(self, q, k_parts, v_parts, pos) -> torch.Tensor:
+        B, H, C = self.pos.shape
+        n_head, K, D = q.shape[1], q.shape[2], q.shape[3]
         g = n_head // H
         # Virtual slots: the C cached tokens in position order (empty ones first), then the K new tokens.
         # In position order, argmin's first-minimum rule *is* "ties evict the oldest".
         order = self.pos.argsort(dim=-1, stable=True)  # (B, H, C)
-        vk = torch.cat([self.k.gather(2, order[..., None].expand(B, H, C, D)), k], 2)  # (B, H, C+K, hd)
-        vv = torch.cat([self.v.gather(2, order[..., None].expand(B, H, C, D)), v], 2)
+        vk_parts = cat_slots(gather_slots(self.k, order), k_parts)  # (B, H, C+K, ...)
+        vv_parts = cat_slots(gather_slots(self.v, order), v_parts)
+        vk, vv = self.codec.decode(vk_parts), self.codec.decode(vv_parts)  # (B, H, C+K, hd)
         vpos = torch.cat([self.pos.gather(2, order), pos[:, None, :].expand(B, H, K)], 2)  # (B, H, C+K)
-        vscore = torch.cat([self.score.gather(2, order), vpos.new_zeros(B, H, K, dtype=torch.float32)], 2)
+        new_score = self.policy.insert_score(vk[:, :, C:])  # (B, H, K)
+        vscore = torch.cat([self.score.gather(2, order), new_score], 2)
         alive = torch.cat([vpos[..., :C] >= 0, vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)  # attendable
         member = torch.cat([vpos.new_ones(B, H, C, dtype=torch.bool), vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)
         logits = (q.reshape(B, H, g * K, D) @ vk.transpose(-1, -2)).float() * self.scale
         logits = logits.view(B, H, g, K, C + K)
         probs = torch.empty_like(logits)  # (B, H, g, K, C+K)
         slots = torch.arange(C + K, device=q.device)
+        keys = vk if self.policy.needs_keys else None
         for i in range(K):
             t, ok = pos[:, i, None, None], pos[:, i, None, None] >= 0  # (B, 1, 1); padding: ok is False
             vscore, alive, member, probs[:, :, :, i] = self.token_fn(self.policy, vscore, vpos, alive, member,
-                                                                     logits[:, :, :, i], t, ok, slots)
-        out = probs.to(v.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
+                                                                     logits[:, :, :, i], t, ok, slots, keys)
+        out = probs.to(vv.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
         # Exactly C virtual slots are still members (one left for each one that came in): compact them.
         kept = (~member).to(torch.uint8).argsort(dim=-1, stable=True)[..., :C]  # (B, H, C), position order
         kept_alive = alive.gather(2, kept)
-        self.k.copy_(vk.gather(2, kept[..., None].expand(B, H, C, D)))
-        self.v.copy_(vv.gather(2, kept[..., None].expand(B, H, C, D)))
+        for stored, virtual in ((self.k, vk_parts), (self.v, vv_parts)):
+            for part, survivor in zip(stored, gather_slots(virtual, kept)):
+                part.copy_(survivor)
         self.pos.copy_(vpos.gather(2, kept).masked_fill(~kept_alive, -1))
         self.score.copy_(vscore.gather(2, kept).masked_fill(~kept_alive, 0.0))
         return out.view(B, n_head, K, D)
 
 
-def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots):
+def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots, keys):
     """Steps 1-4 of the rule for the token at position t, over the virtual slots of `LayerCache._stream`.
 
     score, pos: (B, H, S) fp32 / int64; alive (attendable) and member (in the cache, empty or not): (B, H, S)
     bool; logits: (B, H, g, S) this token's fp32 attention logits; t, ok: (B, 1, 1) its position and whether
-    it is a real token (padding evicts, inserts and scores nothing); slots: arange(S).
-    Element-wise masks only (no indexing by t), so torch.compile fuses it into one kernel.
+    it is a real token (padding evicts, inserts and scores nothing); slots: arange(S); keys: (B, H, S, hd)
+    or None. Element-wise masks only (no indexing by t), so torch.compile fuses it into one kernel.
     """
-    keep = policy.keep_score(score, pos, t).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
+    cached_pos = pos.masked_fill(~alive, -1)  # what the policy sees: only the cached tokens have a position
+    keep = policy.keep_score(score, cached_pos, t, keys).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
     victim = (slots == keep.argmin(-1, keepdim=True)) & ok  # an empty slot while the cache is filling
     arrive = (pos == t) & ok
     member = member & ~victim | arrive
     alive = alive & ~victim | arrive
     probs = logits.masked_fill(~(alive | ~ok)[:, :, None], -torch.inf).softmax(-1)  # (B, H, g, S)
     if policy.needs_scores:
-        score = policy.accumulate(score, probs.sum(2) * ok)
+        attended = alive[:, :, None]  # (B, H, 1, S)
+        score = torch.where(ok, policy.accumulate(score, probs.sum(2, keepdim=True), attended), score)
     return score, alive, member, probs
 
 
 class KVCache:
-    """The whole model's cache: one `LayerCache` per layer, all with the same policy and capacity C."""
+    """The whole model's cache: one `LayerCache` per layer, all with the same policy, each with the capacity
+    the policy gives its layer (the same C in every layer, except for per-layer policies such as PyramidKV)."""
 
-    def __init__(self, cfg: Config, policy: Policy, batch: int, capacity: int, dtype=torch.float32,
-                 device="cpu", dense_block: int = 512, token_fn=stream_token):
-        self.policy, self.capacity = policy, capacity
-        self.layers = [LayerCache(cfg, policy, batch, capacity, dtype, device, dense_block, token_fn)
-                       for _ in range(cfg.n_layer)]
+    def __init__(self, cfg: Config, policy: Policy, batch: int, length: int, dtype=torch.float32,
+                 device="cpu", dense_block: int = 512, token_fn=stream_token, kv_bits: int | None = None):
+        """Room for sequences of up to `length` tokens: layer i holds `policy.layer_capacity(i, n_layer, length)`
+        tokens per row and KV head (never more than `length`). kv_bits: None, 8 or 4 (see `quant.py`)."""
+        self.policy, self.length = policy, length
+        self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it
+        self.layers = [LayerCache(cfg, policy, batch, policy.layer_capacity(i, cfg.n_layer, length), dtype, device,
+                                  dense_block, token_fn, kv_bits) for i in range(cfg.n_layer)]
+        self.kv_bits = self.layers[0].codec.bits
+
+    @property
+    def evicts(self) -> bool:
+        """Whether some layer holds fewer slots than `length` (else nothing is ever evicted: full's logits)."""
+        return any(layer.capacity < self.length for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache: keys, values, positions and scores of C slots in every layer."""
+        """Bytes held by the cache: keys and values as stored, positions and scores, in every layer."""
         return sum(layer.nbytes for layer in self.layers)

@@ -19,7 +19,8 @@ from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
 from .cli_eval import eval_
 from .cli_sweep import sweep
-from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, Finite, ListOf, model_options, policy_options
+from .cli_options import (COUNT, IMAGE, RECENT_HELP, Budget, Finite, ListOf, kv_bits_option, model_options,
+                          policy_options)
 from .policies import BUDGET_HELP, REGISTRY, describe, recent_if_taken
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
@@ -70,8 +71,9 @@ Examples:
 @click.option("--chat/--no-chat", default=None, help="wrap each prompt in the checkpoint's chat template "
               "(default: when it has one)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda)")
+@kv_bits_option
 def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent, prefill, max_new_tokens,
-             temperature, top_k, top_p, seed, chat, compile):
+             temperature, top_k, top_p, seed, chat, compile, kv_bits):
     """Generate text after PROMPT (streamed to stdout), under a KV-cache eviction policy. A fractional
     --budget is taken of the longest prompt + --max-new-tokens, the same C for every row of a batch."""
     if prompts_file and prompt is not None:
@@ -90,7 +92,7 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
     rows, shown = [[] for _ in prompts], ""
     try:
         for rows in api.stream(lm, prompts, policy, budget, recent, max_new_tokens, prefill, sampling, seed, chat,
-                               compile):
+                               compile, kv_bits):
             if len(prompts) == 1:  # stream: print what the new token adds to the decoded text
                 text = lm.tokenizer.decode(rows[0])
                 if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
@@ -139,9 +141,10 @@ Examples:
 @click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda; on "
               "CPU it does not pay, see docs/benchmarks.md)")
+@kv_bits_option
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration, as each finishes")
 def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, text_path,
-          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, as_json):
+          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, as_json):
     """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side."""
     compile = device.startswith("cuda") if compile is None else compile
     if sweep:
@@ -152,7 +155,7 @@ def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens,
     rows = []
     try:
         for row in run_bench(lm, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill,
-                             Path(text_path), kv_memory, max_batch, vs_hf, compile, repeat, same_prompt):
+                             Path(text_path), kv_memory, max_batch, vs_hf, compile, repeat, same_prompt, kv_bits):
             rows.append(row)
             if as_json:
                 click.echo(json.dumps(row))

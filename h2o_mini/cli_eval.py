@@ -9,7 +9,7 @@ import click
 
 from . import api
 from .bench import DEFAULT_TEXT
-from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, ListOf, model_options
+from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, ListOf, kv_bits_option, model_options
 from .errors import UserError
 from .files import check_output, read_text, write_atomic
 from .policies import BUDGET_HELP, REGISTRY, recent_if_taken
@@ -23,6 +23,7 @@ def _one(values: tuple, flag: str, command: str):
 
 
 def repeatable_policies(f):
+    f = kv_bits_option(f)
     f = click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)(f)
     f = click.option("--budget", "budgets", multiple=True, type=Budget(), help=f"repeatable: {BUDGET_HELP}")(f)
     return click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
@@ -77,7 +78,8 @@ Examples:
 @repeatable_policies
 @ppl_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def ppl(model, dtype, device, policies, budgets, recent, text_path, tokens, compare_full, chunk, compile, as_json):
+def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tokens, compare_full, chunk, compile,
+        as_json):
     """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode. A fractional
     --budget is taken of --tokens."""
     policy, budget = _one(policies, "--policy", "ppl") or "full", _one(budgets, "--budget", "ppl")
@@ -85,12 +87,13 @@ def ppl(model, dtype, device, policies, budgets, recent, text_path, tokens, comp
     lm = api.load(model, dtype, device)
     compile = device.startswith("cuda") if compile is None else compile
     result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile,
-                            progress=not as_json)
+                            progress=not as_json, kv_bits=kv_bits)
     if as_json:
         click.echo(json.dumps(result, allow_nan=False))
         return
     line = (f"{result['policy']} C={result['capacity']} tokens={result['tokens']} nll={result['nll']:.4f} "
-            f"ppl={result['ppl']:.3f} ({result['seconds']:.1f} s)")
+            f"ppl={result['ppl']:.3f} kv_bytes={result['kv_bytes']} ({result['kv_bits']}-bit) "
+            f"({result['seconds']:.1f} s)")
     if compare_full:
         line += f" top1_agree_full={result['top1_agree_full']:.4f} kl_full={result['kl_full']:.4f}"
     click.echo(line)
@@ -111,7 +114,7 @@ def task_result(results: dict, model: str, policy: str, budget) -> dict:
     main = next((k for k in ("acc,none", "exact_match,none", "word_perplexity,none") if k in first),
                 next((k for k, v in first.items() if isinstance(v, float) and "stderr" not in k), None))
     return {"results": per_task, "policy": policy, "budget": budget, "model": model,
-            "metric": main, "score": first.get(main)}
+            "metric": main, "score": first.get(main), **results["kv"]}
 
 
 @eval_.command(short_help="lm-evaluation-harness tasks under a policy.", epilog="""\b
@@ -125,8 +128,8 @@ Examples:
 @tasks_options
 @click.option("--output", default=None, help="also write the JSON object to this .json file")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (lm-eval's results and the policy)")
-def tasks(model, dtype, device, policies, budgets, recent, tasks, include_path, num_fewshot, limit, batch_size,
-          prefill, output, as_json):
+def tasks(model, dtype, device, policies, budgets, recent, kv_bits, tasks, include_path, num_fewshot, limit,
+          batch_size, prefill, output, as_json):
     """Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) with h2o-mini under a policy. A fractional
     --budget is taken of each request's own length. The shipped task gpl_next_sentence works offline."""
     policy, budget = _one(policies, "--policy", "tasks") or "full", _one(budgets, "--budget", "tasks")
@@ -135,7 +138,7 @@ def tasks(model, dtype, device, policies, budgets, recent, tasks, include_path, 
         check_output(output, (".json",))
     lm = api.load(model, dtype, device)
     results = harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
-                                prefill, progress=not as_json)
+                                prefill, progress=not as_json, kv_bits=kv_bits)
     row = task_result(results, str(model), policy, budget)
     if output:
         write_atomic(output, lambda tmp: tmp.write_text(json.dumps(row, indent=2, default=str)))
@@ -157,8 +160,8 @@ Examples:
 @needle_options
 @click.option("--plot", "plot_path", default=None, help="a heat map per policy/budget (.png/.pdf/.svg)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON line per cell")
-def needle(model, dtype, device, policies, budgets, recent, text_path, lengths, depths, seeds, prefill, chat,
-           plot_path, as_json):
+def needle(model, dtype, device, policies, budgets, recent, kv_bits, text_path, lengths, depths, seeds, prefill,
+           chat, plot_path, as_json):
     """Plant a random number at a depth of real text, ask for it last, and check the greedy answer."""
     from .evals.needle import run_needle
     from .evals.sweep import points
@@ -169,7 +172,8 @@ def needle(model, dtype, device, policies, budgets, recent, text_path, lengths, 
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     cells = []
-    for cell in run_needle(lm, text, lengths, depths, seeds, todo, prefill, chat, progress=not as_json):
+    for cell in run_needle(lm, text, lengths, depths, seeds, todo, prefill, chat, progress=not as_json,
+                           kv_bits=kv_bits):
         cells.append(cell)
         if as_json:
             click.echo(json.dumps(cell))

@@ -65,8 +65,15 @@ def model_options(f):
     return f
 
 
-RECENT_HELP = ("the protected recent window of C, for h2o and sinks: a fraction of C or a token count (default: "
-               "h2o half, sinks all but 4)")
+def kv_bits_option(f):
+    return click.option("--kv-bits", default=None, type=click.Choice(["8", "4"]), callback=lambda c, p, v: v and int(v),
+                        help="store keys and values as 8- or 4-bit integers (per-token groups of 32 channels, fp16 "
+                        "scale and zero; default: the model's dtype)")(f)
+
+
+RECENT_HELP = ("the protected recent window of C, for h2o, scissorhands, sinks and snapkv/pyramidkv (their "
+               "observation window): a fraction of C or a token count (default: half; sinks: all but 4; snapkv: "
+               "min(32, half))")
 
 
 def policy_options(f):

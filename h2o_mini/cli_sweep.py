@@ -52,7 +52,7 @@ Example:
 """)
 @sweep_options
 @ppl_options
-def sweep_ppl(model, dtype, device, policies, budgets, recent, out, plot_path, as_json, text_path, tokens,
+def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, text_path, tokens,
               compare_full, chunk, compile):
     """eval ppl (with --compare-full always on; full's pass is made once) at every point."""
     from .evals.ppl import full_logprobs
@@ -65,7 +65,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, out, plot_path, a
         if not reference:
             reference.append(full_logprobs(lm.model, api.scored_ids(lm, text, tokens)))
         return [api.perplexity(lm, text, tokens, p, b, recent_if_taken(p, recent), True, chunk, compile, reference[0],
-                               progress=False)]
+                               progress=False, kv_bits=kv_bits)]
     _sweep("ppl", policies, budgets, out, plot_path, as_json, lm.folder.name, point)
 
 
@@ -75,14 +75,15 @@ Example:
 """)
 @sweep_options
 @needle_options
-def sweep_needle(model, dtype, device, policies, budgets, recent, out, plot_path, as_json, text_path, lengths,
-                 depths, seeds, prefill, chat):
+def sweep_needle(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, text_path,
+                 lengths, depths, seeds, prefill, chat):
     """eval needle at every point; a point's score is the share of its cells where the needle was found."""
     from .evals.needle import run_needle
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     _sweep("needle", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: list(run_needle(
-        lm, text, lengths, depths, seeds, [(p, b, recent_if_taken(p, recent))], prefill, chat, progress=False)))
+        lm, text, lengths, depths, seeds, [(p, b, recent_if_taken(p, recent))], prefill, chat, progress=False,
+        kv_bits=kv_bits)))
 
 
 @sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
@@ -91,12 +92,12 @@ Example:
 """)
 @sweep_options
 @tasks_options
-def sweep_tasks(model, dtype, device, policies, budgets, recent, out, plot_path, as_json, tasks, include_path,
-                num_fewshot, limit, batch_size, prefill):
+def sweep_tasks(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, tasks,
+                include_path, num_fewshot, limit, batch_size, prefill):
     """eval tasks at every point; a point's score is the first task's main metric (acc where it has one)."""
     harness = _harness()
     lm = api.load(model, dtype, device)
     _sweep("tasks", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: [task_result(
         harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, p, b, recent_if_taken(p, recent),
-                          prefill, progress=False), str(model), p, b)])
+                          prefill, progress=False, kv_bits=kv_bits), str(model), p, b)])
 

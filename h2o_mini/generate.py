@@ -73,9 +73,12 @@ def layerwise_decode_step(block_fn, model: Transformer, cache: KVCache, token, p
     return model.head(x)[:, -1]
 
 
-def cache_capacity(policy: Policy, length: int) -> int:
-    """Slots to allocate for a sequence of `length` tokens: C, capped at L (C >= L never evicts)."""
-    return min(policy.capacity or length, length)
+def allow_recompiles(limit: int = 64) -> None:
+    """One process may compile the step for many policies and cache shapes (bench, sweeps): each is one more
+    compilation of the same function, and dynamo's default limit (8) would make the ninth an error."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    setattr(config, name, max(getattr(config, name), limit))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,14 +92,18 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple[t
 class Decoder:
     """Runs prefill and decoding for one model; holds the (optionally compiled) decode step."""
 
-    def __init__(self, model: Transformer, compile: bool | str = False, chunk: int = 256):
+    def __init__(self, model: Transformer, compile: bool | str = False, chunk: int = 256, kv_bits: int | None = None):
         """compile: False (eager), "step" (the whole decode step as one graph; CUDA graphs on a GPU), "layer"
         (one compiled graph that every block reuses), or True: "step" on CUDA, "layer" on CPU, where
-        inductor takes over 15 minutes on the 30-layer graph of the default model and ~30 s on one block."""
+        inductor takes over 15 minutes on the 30-layer graph of the default model and ~30 s on one block.
+        kv_bits: None (keys and values in the model's dtype), 8 or 4 (quantized; see `quant.py`)."""
         cuda = next(model.parameters()).is_cuda
-        self.model, self.chunk = model, chunk
+        self.model, self.chunk, self.kv_bits = model, chunk, kv_bits
+        self.stored_bits = kv_bits or torch.finfo(next(model.parameters()).dtype).bits  # bits per key/value element
         self.compiled = ("step" if cuda else "layer") if compile is True else compile
         # Compiled once per Decoder and kept on it (no global reassignment); shapes are static per cache.
+        if compile:
+            allow_recompiles()
         if self.compiled == "step":
             mode = "reduce-overhead" if cuda else None  # CUDA graphs on GPU
             self.step = torch.compile(decode_step, fullgraph=True, mode=mode)
@@ -110,16 +117,21 @@ class Decoder:
 
     def new_cache(self, policy: Policy, batch: int, length: int) -> KVCache:
         p = next(self.model.parameters())
-        return KVCache(self.model.cfg, policy, batch, cache_capacity(policy, length), dtype=p.dtype,
-                       device=p.device, token_fn=self.token_fn)
+        return KVCache(self.model.cfg, policy, batch, length, dtype=p.dtype, device=p.device, token_fn=self.token_fn,
+                       kv_bits=self.kv_bits)
 
-    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str, length: int) -> torch.Tensor:
+    def cache_bytes(self, policy: Policy, batch: int, length: int) -> int:
+        """What `new_cache` would hold, in bytes, without allocating it (a cache on the meta device)."""
+        p = next(self.model.parameters())
+        return KVCache(self.model.cfg, policy, batch, length, dtype=p.dtype, device="meta", kv_bits=self.kv_bits).nbytes
+
+    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str) -> torch.Tensor:
         """Run the prompts into the cache; returns the last position's logits (B, V).
 
         `stream` feeds the prompt through the per-token eviction rule in chunks; `dense` attends causally
-        and keeps C tokens at the end. When C >= length nothing is ever evicted and both are the same, so
+        and keeps C tokens at the end. When no layer ever evicts (C >= the cache's length) both are the same, so
         the cheaper dense path is used."""
-        if mode == "dense" or cache.capacity >= length:
+        if mode == "dense" or not cache.evicts:
             return self.model(idx, pos, cache, mode="dense", last_only=True)[:, -1]
         for s in range(0, idx.shape[1], self.chunk):
             logits = self.model(idx[:, s:s + self.chunk], pos[:, s:s + self.chunk], cache, mode="stream",
@@ -146,7 +158,7 @@ class Decoder:
         idx, pos = left_pad(prompts, device=device)
         length = idx.shape[1] + max_new_tokens
         cache = self.new_cache(policy, idx.shape[0], length)
-        token = sample(self.prefill(cache, idx, pos, prefill, length), sampling, gen)
+        token = sample(self.prefill(cache, idx, pos, prefill), sampling, gen)
         pos = pos[:, -1:] + 1  # (B, 1) next original position of every row
         eos = torch.tensor(eos_ids or (-1,), device=device)
         done = torch.isin(token, eos)

@@ -1,29 +1,74 @@
-"""The naive reference for `shared/spec/eviction.md`: every key and value is kept, and the policy is applied as
-a mask, one token at a time, in plain Python loops. It shares no eviction code with `h2o_mini.cache`: the
-four spec policies are written out from the spec's table; other registered policies are ranked by their
-own `keep_score`. Single row only (rows never influence each other; batched paths are compared per row).
+"""The naive reference for `shared/spec/eviction.md` and every registered policy's rule (docs/policies.md):
+every key and value is kept, and the policy is applied as a mask, one token at a time, in plain Python
+loops. It shares no eviction code with `h2o_mini.cache` or the policy classes: each rule is written out
+again here from its documented statement (only the parameters are read off the policy object). Single
+row only (rows never influence each other; batched paths are compared per row). With `kv_bits`, every
+key and value is rounded through the documented quantizer as it enters (written out again here too).
 """
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import torch
 
 from h2o_mini.policies import Policy
 
+SUMMED = {"full", "local", "heavy_hitter", "h2o", "sinks", "snapkv", "pyramidkv"}  # policies that add attention
+WINDOWED = {"h2o": "recent", "scissorhands": "recent", "snapkv": "window", "pyramidkv": "window"}
+
+
+def fake_quant(x: torch.Tensor, bits: int | None) -> torch.Tensor:
+    """(..., hd) -> the same values after storing them as `bits`-bit codes: per group of gcd(hd, 32) channels,
+    zero = fp16(min), scale = fp16((max - min) / (2^bits - 1)), code = clamp(round((x - zero) / scale))."""
+    if bits is None:
+        return x
+    hd, levels = x.shape[-1], 2**bits - 1
+    group = math.gcd(hd, 32)
+    out = torch.empty_like(x)
+    for s in range(0, hd, group):
+        g = x[..., s:s + group].float()
+        zero = g.amin(-1, keepdim=True).half().float()
+        scale = ((g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / levels).half().float()
+        step = torch.where(scale == 0, torch.ones_like(scale), scale)
+        code = torch.clamp(torch.round((g - zero) / step), 0, levels)
+        out[..., s:s + group] = (code * scale + zero).to(x.dtype)
+    return out
+
+
+def layer_capacities(policy: Policy, n_layer: int, length: int) -> list[int]:
+    """C per layer: the policy's C (at most L), or PyramidKV's linear shares in exact rational arithmetic."""
+    C = min(policy.capacity or length, length)
+    if policy.name != "pyramidkv" or C >= length or n_layer == 1:
+        return [C] * n_layer
+    h, w = policy.heavy, policy.window
+    top = Fraction(h, policy.beta)
+    bottom = min(2 * h - top, Fraction(length - w))
+    top = 2 * h - bottom
+    shares = [bottom + (top - bottom) * Fraction(i, n_layer - 1) for i in range(n_layer)]
+    ends = [math.floor(sum(shares[:i])) for i in range(n_layer + 1)]
+    return [min(length, w + ends[i + 1] - ends[i]) for i in range(n_layer)]
+
 
 class ReferenceCache:
-    def __init__(self, cfg, policy: Policy, capacity: int):
-        self.policy, self.C, self.g = policy, capacity, cfg.group
+    def __init__(self, cfg, policy: Policy, length: int, kv_bits: int | None = None):
+        self.policy, self.g, self.bits = policy, cfg.group, kv_bits
+        self.caps = layer_capacities(policy, cfg.n_layer, length)
         self.scale = cfg.head_dim ** -0.5
+        # per layer: every K/V/position ever seen; per KV head: the cached indices and their scores, and for
+        # scissorhands the list of important/not verdicts of every query since the token arrived
         self.state = [{"K": [], "V": [], "P": [], "cached": [[] for _ in range(cfg.n_kv_head)],
-                       "score": [{} for _ in range(cfg.n_kv_head)]} for _ in range(cfg.n_layer)]
+                       "score": [{} for _ in range(cfg.n_kv_head)], "hist": [{} for _ in range(cfg.n_kv_head)]}
+                      for _ in range(cfg.n_layer)]
         self.layers = [_Layer(self, i) for i in range(cfg.n_layer)]  # what the model indexes
 
     def attend(self, layer, q, k, v, pos, mode):
         assert q.shape[0] == 1, "the reference runs one row"
+        k, v = fake_quant(k, self.bits), fake_quant(v, self.bits)
         if mode == "dense":
             return self._dense(layer, q, k, v, pos)
         assert q.shape[2] == 1
-        st = self.state[layer]
+        st, C, name = self.state[layer], self.caps[layer], self.policy.name
         t = int(pos[0, 0])
         st["K"].append(k[0, :, 0])
         st["V"].append(v[0, :, 0])
@@ -31,72 +76,119 @@ class ReferenceCache:
         new = len(st["P"]) - 1
         out = torch.empty_like(q)
         for h, cached in enumerate(st["cached"]):
-            score = st["score"][h]
-            if len(cached) == self.C:  # 1. evict exactly one
-                victim = self._victim(cached, score, st["P"], t)
+            score, hist = st["score"][h], st["hist"][h]
+            if len(cached) == C:  # 1. evict exactly one
+                victim = self._victim(cached, score, hist, st, h, t)
                 cached.remove(victim)
                 del score[victim]
-            cached.append(new)  # 2. insert with score 0
-            score[new] = 0.0
+            cached.append(new)  # 2. insert
+            score[new] = self._knorm(st["K"][new][h]) if name == "knorm" else 0.0
+            hist[new] = []
             keys = torch.stack([st["K"][j][h] for j in cached]).float()
             vals = torch.stack([st["V"][j][h] for j in cached]).float()
+            group = [0.0] * len(cached)
             for qh in range(h * self.g, (h + 1) * self.g):  # 3. attend over exactly the cached tokens
                 p = (q[0, qh, 0].float() @ keys.T * self.scale).softmax(-1)
                 out[0, qh, 0] = (p @ vals).to(q.dtype)
-                for j, pj in zip(cached, p.tolist()):  # 4. accumulate over the group's heads
-                    score[j] += pj
+                group = [a + b for a, b in zip(group, p.tolist())]
+            self._update(cached, score, hist, group)  # 4. the policy's score update
         return out
 
-    def _victim(self, cached, score, P, t):
+    def _update(self, cached, score, hist, group):
         name = self.policy.name
+        if name in SUMMED:
+            for j, pj in zip(cached, group):
+                score[j] += pj
+        elif name == "tova":
+            for j, pj in zip(cached, group):
+                score[j] = pj
+        elif name == "scissorhands":
+            share = sum(group) / len(group)  # the group's uniform share
+            for j, pj in zip(cached, group):
+                hist[j].append(pj >= share)
+
+    def _victim(self, cached, score, hist, st, h, t):
+        name, P = self.policy.name, st["P"]
+        oldest_lowest = lambda js, f: min(js, key=lambda j: (f(j), P[j]))  # noqa: E731
+        assert name != "full", "full never evicts"
         if name == "local":
             return min(cached, key=lambda j: P[j])
-        if name == "heavy_hitter":
-            return min(cached, key=lambda j: (score[j], P[j]))
-        if name == "h2o":
-            candidates = [j for j in cached if P[j] <= t - self.policy.recent]
-            return min(candidates, key=lambda j: (score[j], P[j]))
-        assert name != "full", "full never evicts"
-        keep = self.policy.keep_score(torch.tensor([score[j] for j in cached]), torch.tensor([P[j] for j in cached]),
-                                      torch.tensor(t)).tolist()
-        return min(zip(cached, keep), key=lambda jk: (jk[1], P[jk[0]]))[0]
+        if name == "sinks":
+            return min((j for j in cached if P[j] >= self.policy.sink), key=lambda j: P[j])
+        candidates = cached
+        if name in WINDOWED:
+            candidates = [j for j in cached if P[j] <= t - getattr(self.policy, WINDOWED[name])]
+        if name == "scissorhands":
+            return oldest_lowest(candidates, lambda j: sum(hist[j][-self.policy.window:]))
+        if name == "keydiff":
+            return oldest_lowest(candidates, self._similarity(st["K"], cached, h))
+        return oldest_lowest(candidates, lambda j: score[j])  # heavy_hitter, h2o, snapkv, pyramidkv, tova, knorm
+
+    @staticmethod
+    def _knorm(key) -> float:
+        """Minus the key's L2 norm, at bf16 resolution (documented: equal norms must tie)."""
+        return -float(torch.tensor(math.sqrt(sum(x * x for x in key.double().tolist()))).bfloat16())
+
+    @staticmethod
+    def _similarity(K, among, h):
+        """j -> minus the cosine of key j with the mean of the unit keys of `among` (KeyDiff)."""
+        unit = {j: K[j][h].float() / K[j][h].float().norm().clamp(min=1e-12) for j in among}
+        anchor = sum(unit.values()) / len(among)
+        anchor = anchor / anchor.norm().clamp(min=1e-12)
+        return lambda j: -(unit[j] @ anchor).item()
 
     def _dense(self, layer, q, k, v, pos):
-        st = self.state[layer]
+        st, C, policy, name = self.state[layer], self.caps[layer], self.policy, self.policy.name
         T = q.shape[2]
         out = torch.empty_like(q)
-        for h, cached in enumerate(st["cached"]):
-            assert not cached, "dense prefill starts from an empty cache"
-            s = torch.zeros(T)
-            for qh in range(h * self.g, (h + 1) * self.g):
-                logits = (q[0, qh].float() @ k[0, h].float().T) * self.scale
-                logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
-                p = logits.softmax(-1)
-                out[0, qh] = (p @ v[0, h].float()).to(q.dtype)
-                s += p.sum(0)  # s_j: summed over all prompt queries and the group's heads
-            keep = self._dense_keep(s.tolist(), T)
-            st["cached"][h] = sorted(keep)
-            st["score"][h] = {j: s[j].item() for j in keep}
         st["K"] = list(k[0].transpose(0, 1))  # (H, hd) per token
         st["V"] = list(v[0].transpose(0, 1))
         st["P"] = pos[0].tolist()
+        for h, cached in enumerate(st["cached"]):
+            assert not cached, "dense prefill starts from an empty cache"
+            group = torch.zeros(T, T)  # [query i, token j]: attention summed over the group's heads
+            for qh in range(h * self.g, (h + 1) * self.g):
+                logits = (q[0, qh].float() @ k[0, h].float().T) * self.scale
+                p = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf).softmax(-1)
+                out[0, qh] = (p @ v[0, h].float()).to(q.dtype)
+                group += p
+            if name in ("snapkv", "pyramidkv"):  # the observation window's queries, then max-pooled
+                w, r = max(policy.window, 1), policy.kernel // 2
+                raw = group[T - min(T, w):].sum(0).tolist()
+                s = [max(raw[max(0, j - r):j + r + 1]) for j in range(T)]
+            elif name == "tova":
+                s = group[T - 1].tolist()
+            elif name == "knorm":
+                s = [self._knorm(st["K"][j][h]) for j in range(T)]
+            else:
+                s = group.sum(0).tolist()  # s_j: summed over all prompt queries (and the group's heads)
+            hist = {j: [group[i, j].item() >= group[i, :i + 1].sum().item() / (i + 1) for i in range(j, T)]
+                    for j in range(T)} if name == "scissorhands" else {j: [] for j in range(T)}
+            keep = self._dense_keep(s, hist, st["K"], h, T, C)
+            st["cached"][h] = sorted(keep)
+            st["score"][h] = {j: s[j] for j in keep}
+            st["hist"][h] = {j: hist[j] for j in keep}
         return out
 
-    def _dense_keep(self, s, T):
-        """The prompt tokens to keep (indices): the spec's rule, policy by policy."""
-        C, name, newest_first = self.C, self.policy.name, list(range(T - 1, -1, -1))
+    def _dense_keep(self, s, hist, K, h, T, C):
+        """The prompt tokens to keep (indices): the spec's rule for the four of the spec, else each rule."""
+        name, newest_first = self.policy.name, list(range(T - 1, -1, -1))
         if T <= C or name == "full":
             return list(range(T))
         if name == "local":
             return newest_first[:C]
-        by_score = lambda js: sorted(js, key=lambda j: (-s[j], -j))  # noqa: E731  ties: keep the newer
-        if name == "heavy_hitter":
-            return by_score(range(T))[:C]
-        if name == "h2o":
-            r = self.policy.recent
-            return newest_first[:r] + by_score(newest_first[r:])[:C - r]
-        keep = self.policy.keep_score(torch.tensor(s), torch.arange(T), torch.tensor(T - 1)).tolist()
-        return sorted(range(T), key=lambda j: (-keep[j], -j))[:C]
+        if name == "sinks":
+            sink = self.policy.sink
+            return sorted(range(T), key=lambda j: (j >= sink, -j))[:C]
+        best = lambda js, f: sorted(js, key=lambda j: (-f(j), -j))  # noqa: E731  ties: keep the newer
+        if name in WINDOWED:
+            r = getattr(self.policy, WINDOWED[name])
+            rank = (lambda j: sum(hist[j][-self.policy.window:])) if name == "scissorhands" else (lambda j: s[j])
+            return newest_first[:r] + best(newest_first[r:], rank)[:C - r]
+        if name == "keydiff":
+            sim = self._similarity(K, range(T), h)
+            return best(range(T), lambda j: sim(j))[:C]
+        return best(range(T), lambda j: s[j])[:C]  # heavy_hitter, tova, knorm
 
 
 class _Layer:
@@ -107,10 +199,11 @@ class _Layer:
         return self.cache.attend(self.index, q, k, v, pos, mode)
 
 
-def reference_logits(model, ids: list[int], policy: Policy, capacity: int, dense_prompt: int = 0,
-                     cache: ReferenceCache | None = None) -> torch.Tensor:
-    """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time."""
-    cache = cache or ReferenceCache(model.cfg, policy, capacity)
+def reference_logits(model, ids: list[int], policy: Policy, length: int | None = None, dense_prompt: int = 0,
+                     kv_bits: int | None = None) -> torch.Tensor:
+    """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time,
+    in a cache sized for `length` tokens (default: the ids)."""
+    cache = ReferenceCache(model.cfg, policy, length or len(ids), kv_bits)
     x = torch.tensor([ids])
     outs = []
     if dense_prompt:

@@ -69,16 +69,17 @@ def test_dense_ties_keep_the_newest():
 # ---- conformance: parametrized over the registry, so a new policy is tested the moment it is registered ----
 
 def _conformance_run(model, policy, ids):
-    cache = KVCache(model.cfg, policy, 1, policy.capacity or len(ids))
-    C = cache.capacity
+    cache = KVCache(model.cfg, policy, 1, len(ids))
     evicted, logits = set(), []
     for t, tok in enumerate(ids):
         before = []
         for lc in cache.layers:
-            keep = policy.keep_score(lc.score, lc.pos, torch.tensor(t)).masked_fill(lc.pos < 0, -torch.inf)
+            keys = lc.keys() if policy.needs_keys else None
+            keep = policy.keep_score(lc.score, lc.pos, torch.tensor(t), keys).masked_fill(lc.pos < 0, -torch.inf)
             before.append((lc.pos.clone(), lc.pos[keep == torch.inf].tolist()))
         logits.append(model(torch.tensor([[tok]]), torch.tensor([[t]]), cache, mode="step"))
         for lc, (old, protected) in zip(cache.layers, before):
+            C = lc.capacity
             for h in range(lc.pos.shape[1]):
                 now = set(lc.pos[0, h].tolist()) - {-1}
                 assert len(now) == min(t + 1, C), "holds exactly min(t+1, C) tokens, never more than C"
@@ -102,9 +103,9 @@ def test_conformance(tiny_model, name):
     assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache1.layers, cache2.layers))
     cfg, C = model.cfg, cache1.capacity
     slot_bytes = 2 * cfg.head_dim * 4 + 8 + 4  # fp32 key and value, int64 position, fp32 score
-    assert cache1.nbytes == cfg.n_layer * 1 * cfg.n_kv_head * C * slot_bytes
+    assert cache1.nbytes == cfg.n_layer * 1 * cfg.n_kv_head * C * slot_bytes, "the same total as C in every layer"
     for lc in cache1.layers:
-        assert lc.k.shape[2] == lc.v.shape[2] == C, "storage really is C slots"
+        assert all(t.shape[2] == lc.capacity for t in lc.tensors()), "storage really is the layer's C slots"
 
 
 def test_h2o_cache_is_a_fifth_of_full_at_budget_02(tiny_model):

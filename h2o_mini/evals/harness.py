@@ -33,15 +33,20 @@ from .ppl import teacher_forced
 
 class PolicyLM(TemplateLM):
     def __init__(self, lm: LM, policy: str = "full", budget=None, recent=None, prefill: str = "dense",
-                 batch_size: int = 8, chunk: int = 256, compile: bool = False, progress: bool = True):
+                 batch_size: int = 8, chunk: int = 256, compile: bool = False, progress: bool = True,
+                 kv_bits: int | None = None):
         super().__init__()
         self.quiet = not progress
         self.lm, self.policy, self.budget, self.recent, self.prefill = lm, policy, budget, recent, prefill
-        self.batch_size, self.decoder = batch_size, Decoder(lm.model, compile=compile, chunk=chunk)
+        self.batch_size = batch_size
+        self.decoder = Decoder(lm.model, compile=compile, chunk=chunk, kv_bits=kv_bits)
         make_policy(policy, budget, 1000, recent)  # a bad budget fails here, before any request
+        self.kv_bytes = 0  # the largest cache one request has held (one row)
 
     def policy_for(self, length: int):
-        return make_policy(self.policy, self.budget, length, self.recent)
+        policy = make_policy(self.policy, self.budget, length, self.recent)
+        self.kv_bytes = max(self.kv_bytes, self.decoder.cache_bytes(policy, 1, length))
+        return policy
 
     # -- what TemplateLM needs to tokenize as the hf backend does --
     @property
@@ -146,8 +151,10 @@ SHIPPED_TASKS = Path(__file__).with_name("tasks")  # gpl_next_sentence: an offli
 def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_fewshot: int | None = None,
               limit: int | None = None, batch_size: int = 8, policy: str = "full", budget=None, recent=None,
               prefill: str = "dense", log_samples: bool = False, compile: bool = False,
-              progress: bool = True) -> dict:
-    """`lm_eval.simple_evaluate` with h2o-mini under a policy; the shipped tasks are always available."""
+              progress: bool = True, kv_bits: int | None = None) -> dict:
+    """`lm_eval.simple_evaluate` with h2o-mini under a policy; the shipped tasks are always available.
+    Returns lm-eval's results, plus "kv": the stored bits of keys and values and the largest cache one
+    request held (bytes)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local data only: no hub at run time
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
@@ -155,7 +162,8 @@ def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_few
     paths = [str(SHIPPED_TASKS)] + ([include_path] if include_path else [])
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"--include-path {include_path} is not a folder")
-    model = PolicyLM(lm, policy, budget, recent, prefill, batch_size, compile=compile, progress=progress)
+    model = PolicyLM(lm, policy, budget, recent, prefill, batch_size, compile=compile, progress=progress,
+                     kv_bits=kv_bits)
     try:
         manager = TaskManager(include_path=paths)
         unknown = [t for t in tasks if t not in manager.all_tasks]
@@ -167,6 +175,7 @@ def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_few
     except Exception as e:  # yaml, datasets and lm-eval raise many kinds; each is a bad task folder here
         raise UserError(f"cannot load the tasks {','.join(tasks)}: {type(e).__name__}: "
                         f"{(str(e).strip().splitlines() or [''])[0]}") from None
-    return simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                           log_samples=log_samples, batch_size=batch_size, random_seed=0, numpy_random_seed=0,
-                           torch_random_seed=0, fewshot_random_seed=0)
+    results = simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                              log_samples=log_samples, batch_size=batch_size, random_seed=0, numpy_random_seed=0,
+                              torch_random_seed=0, fewshot_random_seed=0)
+    return dict(results, kv={"kv_bits": model.decoder.stored_bits, "kv_bytes": model.kv_bytes})

@@ -55,7 +55,7 @@ def haystack(lm: LM, filler: list[int], length: int, depth: float, number: int, 
 
 def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds: int, policies: list[tuple],
                prefill: str, chat: bool | None = None, compile: bool = False,
-               progress: bool = True) -> Iterator[dict]:
+               progress: bool = True, kv_bits: int | None = None) -> Iterator[dict]:
     """One cell per (policy, budget) x length x depth x seed; policies: (name, budget, recent) triples."""
     for d in depths:
         if not 0 <= d <= 1:
@@ -69,7 +69,7 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
         haystack(lm, filler, n, 0.5, 100000, chat)
     for name, budget, recent in policies:
         as_policy(name, budget, max(lengths) + ANSWER_TOKENS, recent)
-    decoder = Decoder(lm.model, compile=compile)
+    decoder = Decoder(lm.model, compile=compile, kv_bits=kv_bits)
     bar = tqdm(total=len(lengths) * len(depths) * seeds * len(policies), desc="needle", unit="cell",
                disable=None if progress else True)
     for length in lengths:
@@ -82,7 +82,8 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
                     tokens = list(decoder.complete(ids, policy, ANSWER_TOKENS, prefill, lm.eos_ids))
                     answer = lm.tokenizer.decode(tokens).strip()
                     yield {"policy": name, "budget": budget, "capacity": policy.capacity or length + ANSWER_TOKENS,
-                           "prefill": prefill, "length": length, "depth": depth, "seed": seed,
+                           "kv_bits": decoder.stored_bits,
+                           "kv_bytes": decoder.cache_bytes(policy, 1, length + ANSWER_TOKENS), "prefill": prefill, "length": length, "depth": depth, "seed": seed,
                            "needle_position": at, "number": number, "found": str(number) in answer,
                            "answer": answer}
                     bar.update()

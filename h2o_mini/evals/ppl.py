@@ -21,10 +21,12 @@ from ..policies import Policy
 @torch.inference_mode()
 def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 256,
                compare_full: bool = False, compile: bool = False, reference: torch.Tensor | None = None,
-               progress: bool = True) -> dict:
+               progress: bool = True, kv_bits: int | None = None) -> dict:
     """Mean NLL (nats) of tokens 1..N-1 given their prefixes under `policy`; with `compare_full`, also the
     share of positions whose argmax equals full's (`top1_agree_full`) and mean KL(full || policy).
-    `reference`: full's log-probs (`full_logprobs`), when a sweep has them already."""
+    `reference`: full's log-probs (`full_logprobs`), when a sweep has them already. kv_bits: 8 or 4 quantize
+    the cache's keys and values. `kv_bytes`: what the cache holds (for C >= N no cache is needed to score,
+    but that is what one would hold)."""
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     T = x.shape[1]
@@ -34,7 +36,7 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
         reference = full_logprobs(model, ids)
         full_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    decoder = Decoder(model, compile=compile, chunk=chunk)
+    decoder = Decoder(model, compile=compile, chunk=chunk, kv_bits=kv_bits)
     chunks = tqdm(teacher_forced(decoder, policy, [ids]), total=-(-T // chunk), desc=f"eval {policy.name}",
                   unit="chunk", disable=None if progress else True, leave=False)
     logprobs = torch.cat([logits[0].log_softmax(-1) for _, logits in chunks])  # (T, V)
@@ -42,7 +44,8 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
     lp = logprobs[:-1]  # (T-1, V): position i predicts token i+1
     nll = -lp.gather(1, x[0, 1:, None]).mean().item()
     out = {"policy": policy.name, "params": _params(policy), "capacity": min(policy.capacity or T, T),
-           "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3)}
+           "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3),
+           "kv_bits": decoder.stored_bits, "kv_bytes": decoder.cache_bytes(policy, 1, T)}
     if compare_full:
         out["top1_agree_full"] = (lp.argmax(-1) == reference.argmax(-1)).float().mean().item()
         out["kl_full"] = (reference.exp() * (reference - lp)).sum(-1).mean().item()
@@ -65,7 +68,7 @@ def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> I
     idx, pos = left_pad(rows, device=next(model.parameters()).device)
     T = idx.shape[1]
     cache = decoder.new_cache(policy, idx.shape[0], T)
-    if cache.capacity >= T:
+    if not cache.evicts:
         yield 0, model(idx, pos)
         return
     for s in range(0, T, chunk):

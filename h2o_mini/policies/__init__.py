@@ -5,14 +5,22 @@ from .base import BUDGET_HELP, Policy, capacity_for, describe, parse_budget, rec
 from .full import Full
 from .h2o import H2O
 from .heavy_hitter import HeavyHitter
+from .keydiff import KeyDiff
+from .knorm import KNorm
 from .local import Local
+from .pyramidkv import PyramidKV
+from .scissorhands import Scissorhands
 from .sinks import Sinks
+from .snapkv import SnapKV
+from .tova import TOVA
 from ..errors import UserError
 
-REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Local, HeavyHitter, H2O, Sinks)}
+REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    Full, Local, HeavyHitter, H2O, Sinks, TOVA, Scissorhands, SnapKV, PyramidKV, KNorm, KeyDiff)}
 
 
-def make_policy(name: str, budget: str | float | int | None, length: int, recent: str | float | int | None = None) -> Policy:
+def make_policy(name: str, budget: str | float | int | None, length: int,
+                recent: str | float | int | None = None) -> Policy:
     """A policy from CLI-style arguments: `budget` is a fraction of `length` or a token count (see the spec)."""
     if name not in REGISTRY:
         raise UserError(f"unknown policy {name!r} (choose from {', '.join(REGISTRY)})")
@@ -36,4 +44,5 @@ def recent_if_taken(name: str, recent):
     return recent if REGISTRY[name].takes_recent else None
 
 
-__all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O", "Sinks"]
+__all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "Full", "Local",
+           "HeavyHitter", "H2O", "Sinks", "TOVA", "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff"]

@@ -2,20 +2,28 @@
 
 How the cache uses a policy (see `cache.py`): every layer, batch row and KV head holds at most C tokens.
 When token t arrives and the cache is full, the cache asks the policy for a *keep-score* of every cached
-token and overwrites the lowest one (ties: the oldest). A policy is therefore three small things:
+token and overwrites the lowest one (ties: the oldest). Every cached token carries one fp32 `score` that the
+policy alone interprets. A policy is a frozen dataclass of parameters (all state lives in the cache) with:
 
 * `capacity`: C, the tokens kept per (layer, row, KV head); `None` means "the whole sequence".
-* `keep_score(score, pos, t)`: higher means keep. Inputs are the cached tokens' accumulated attention
-  `score` (fp32) and original positions `pos` (int64), both (B, n_kv_head, S), and the arriving position
-  `t` broadcastable to them. Return +inf for tokens that must not be evicted. Pure tensor code, no
-  `.item()` and no Python branch on values, so it runs inside the compiled decode step.
-* `needs_scores`: whether `keep_score` reads `score`. Only then does the model compute explicit
-  attention probabilities and accumulate them (`accumulate`, by default a plain sum, as in H2O).
+  `layer_capacity(layer, n_layer, length)` may give each layer its own share (PyramidKV).
+* `keep_score(score, pos, t, keys)`: higher means keep, +inf = protected. Inputs: the cached tokens'
+  scores (fp32) and original positions (int64; < 0: not a cached token), both (B, n_kv_head, S), the
+  arriving position `t` broadcastable to them, and, if `needs_keys`, their keys (B, n_kv_head, S, head_dim)
+  as attention reads them, else None. Pure tensor code, no `.item()` and no Python branch on values, so
+  it runs inside the compiled decode step.
+* `insert_score(keys)`: the score a token enters with, from its key (B, H, T, hd) -> (B, H, T); H2O: 0.
+* `accumulate(score, probs, attended)`: the scores after Q consecutive queries, in order. probs: their fp32
+  attention (B, H, Q, S), summed over each GQA group; attended: (B, H, Q, S) bool, the tokens each query
+  attended (all False for a query that does not count). H2O adds the probabilities; TOVA keeps the last.
+  Called only if `needs_scores` (only then does the model compute explicit attention probabilities).
+* Dense prefill: the scores are `accumulate` over the prompt's queries, only the last `prompt_window` of
+  them if it is set (SnapKV's observation window), then `prompt_score` (SnapKV pools them); then the C
+  prompt tokens with the highest keep-score at the last prompt position stay.
 
-Policy objects hold parameters only (frozen dataclasses, checked when built: non-negative integers and
-C >= 1); all state lives in the cache. `takes_recent` says whether `--recent` means anything to it.
-A new policy is one file with one class, added to `REGISTRY` in `policies/__init__.py`; the conformance
-tests iterate over the registry, so it is tested the moment it is registered.
+`takes_recent` says whether `--recent` means anything to it. A new policy is one file with one class,
+added to `REGISTRY` in `policies/__init__.py`; the conformance and parity tests iterate over the registry,
+so it is tested the moment it is registered.
 """
 from __future__ import annotations
 
@@ -43,16 +51,35 @@ class Policy:
             raise UserError(f"{type(self).__name__}{tuple(getattr(self, f.name) for f in fields(self))}: the "
                             "capacity C must be at least one token")
 
+    needs_keys: ClassVar[bool] = False  # whether keep_score reads the cached keys
+
     @property
     def capacity(self) -> int | None:
         raise NotImplementedError
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def layer_capacity(self, layer: int, n_layer: int, length: int) -> int:
+        """Slots in layer `layer` for a sequence of `length` tokens: C in every layer, at most `length`."""
+        return min(self.capacity or length, length)
+
+    @property
+    def prompt_window(self) -> int | None:
+        """Dense prefill: how many of the last prompt queries shape the scores (None: all of them)."""
+        return None
+
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor,
+                   keys: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def accumulate(self, score: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """New scores from this step's attention `probs`, already summed over the GQA group."""
-        return score + probs
+    def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys.new_zeros(keys.shape[:-1], dtype=torch.float32)
+
+    def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """H2O's rule: every query's attention is added (probs are 0 where a query did not attend)."""
+        return score + probs.sum(2)
+
+    def prompt_score(self, score: torch.Tensor) -> torch.Tensor:
+        """Dense prefill: the prompt tokens' scores (B, H, T) once every prompt query is in."""
+        return score
 
     @classmethod
     def from_budget(cls, capacity: int, recent: int | None) -> "Policy":

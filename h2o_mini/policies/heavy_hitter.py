@@ -25,7 +25,7 @@ class HeavyHitter(Policy):
     def capacity(self) -> int:
         return self.heavy
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
         return score
 
     @classmethod

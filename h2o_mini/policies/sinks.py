@@ -27,7 +27,7 @@ class Sinks(Policy):
     def capacity(self) -> int:
         return self.sink + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
         return torch.where(pos < self.sink, torch.inf, pos.float())
 
     @classmethod

@@ -1,0 +1,69 @@
+"""`scissorhands`: the persistence of importance (Liu et al., 2023, "Scissorhands: Exploiting the
+Persistence of Importance Hypothesis for LLM KV Cache Compression at Test Time", arXiv 2305.17118).
+
+Tokens that were pivotal once tend to stay pivotal, so Scissorhands counts, over a history window of the
+last `window` queries, how often each token was important, and drops the token that was important least
+often, never one of the `recent` newest. The exact rule implemented here, per layer, row and KV head:
+
+* a query finds token j *important* when the attention it gives j, summed over the GQA group's query
+  heads, is at least the group's uniform share: the group's total attention divided by the number of
+  tokens the query attended (the paper's threshold 1/t, over the tokens actually cached);
+* a token's score holds the last `window` such verdicts as bits, newest lowest: an integer below
+  2^window, kept exactly in the fp32 score (hence window <= 24); each query shifts it left by one;
+* keep-score: how many of those bits are set; the `recent - 1` newest cached tokens and the arriving one
+  are protected (as in `h2o`); ties evict the oldest.
+
+The paper drops m tokens at once when the cache fills; here one token goes per step, like every policy of
+this cache. In dense prefill the bits come from the last `window` prompt queries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Policy
+from ..errors import UserError
+
+MAX_WINDOW = 24  # fp32 holds every integer below 2^24 exactly
+
+
+@dataclass(frozen=True)
+class Scissorhands(Policy):
+    """Keep the `recent` newest tokens and the `heavy` most often important over the last `window` queries
+    (attention at least the uniform share); a full cache evicts the least often important (ties: the oldest)."""
+
+    heavy: int
+    recent: int
+    window: int = 16
+    name = "scissorhands"
+    takes_recent = True
+    needs_scores = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.window <= MAX_WINDOW:
+            raise UserError(f"Scissorhands: window={self.window} must be in [1, {MAX_WINDOW}]")
+
+    @property
+    def capacity(self) -> int:
+        return self.heavy + self.recent
+
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+        bits = score.to(torch.int32)
+        important = sum((bits >> i) & 1 for i in range(self.window))  # popcount of the history window
+        return torch.where(pos > t - self.recent, torch.inf, important.float())
+
+    def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        n = attended.sum(-1, keepdim=True).clamp(min=1)  # (B, H, Q, 1) tokens each query attended
+        important = attended & (probs * n >= probs.sum(-1, keepdim=True))  # (B, H, Q, S)
+        Q, w = probs.shape[2], self.window
+        age = torch.arange(Q - 1, -1, -1, device=probs.device)  # queries ago: the last one is 0
+        weight = torch.where(age < w, 2.0 ** age.clamp(max=w - 1), 0.0)  # (Q,) older verdicts fall out
+        shifted = torch.remainder(score * 2.0 ** min(Q, w), 2.0 ** w)  # exact: powers of two, below 2^24
+        return shifted + (important.float() * weight[:, None]).sum(2)
+
+    @classmethod
+    def from_budget(cls, capacity: int, recent: int | None) -> "Scissorhands":
+        recent = capacity - capacity // 2 if recent is None else recent
+        return cls(heavy=capacity - recent, recent=recent)

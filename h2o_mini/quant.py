@@ -8,7 +8,8 @@ dim 2, so the cache can gather, scatter and concatenate tokens without knowing w
   per-token groups; Liu et al., 2024, arXiv 2402.02750). For each group: `zero` = its minimum, `scale` =
   (max - min) / (2^bits - 1), both stored as fp16; code = round((x - zero) / scale) (round half to even),
   clamped to [0, 2^bits - 1]; 4-bit codes are packed two to a byte. Reading gives code * scale + zero. The
-  error is at most half a step (scale / 2) plus the fp16 rounding of scale and zero (tests/test_quant.py).
+  error is at most half a step (scale / 2) plus the fp16 rounding of scale and zero: 2^-11 relative, and
+  2^-24 absolute per step for groups narrower than ~2^-14 * 2^bits (tests/test_quant.py).
   Keys are quantized after RoPE, as the cache stores them. Bytes per token and KV head, for head_dim 64 and
   group 32: 64 (8-bit) or 32 (4-bit) for the codes, plus 8 for two fp16 scales and zeros.
 

@@ -1,7 +1,8 @@
 """The naive reference for `shared/spec/eviction.md` and every registered policy's rule (docs/policies.md):
 every key and value is kept, and the policy is applied as a mask, one token at a time, in plain Python
 loops. It shares no eviction code with `h2o_mini.cache` or the policy classes: each rule is written out
-again here from its documented statement (only the parameters are read off the policy object). Single
+again here from its documented statement (only the parameters are read off the policy object). A policy
+not written out here (a new one) is ranked by its own `keep_score`, with H2O's summed scores. Single
 row only (rows never influence each other; batched paths are compared per row). With `kv_bits`, every
 key and value is rounded through the documented quantizer as it enters (written out again here too).
 """
@@ -16,6 +17,7 @@ from h2o_mini.policies import Policy
 
 SUMMED = {"full", "local", "heavy_hitter", "h2o", "sinks", "snapkv", "pyramidkv"}  # policies that add attention
 WINDOWED = {"h2o": "recent", "scissorhands": "recent", "snapkv": "window", "pyramidkv": "window"}
+KNOWN = SUMMED | {"tova", "scissorhands", "knorm", "keydiff"}  # others: ranked by their own keep_score, summed
 
 
 def fake_quant(x: torch.Tensor, bits: int | None) -> torch.Tensor:
@@ -96,7 +98,7 @@ class ReferenceCache:
 
     def _update(self, cached, score, hist, group):
         name = self.policy.name
-        if name in SUMMED:
+        if name in SUMMED or name not in KNOWN:
             for j, pj in zip(cached, group):
                 score[j] += pj
         elif name == "tova":
@@ -111,6 +113,10 @@ class ReferenceCache:
         name, P = self.policy.name, st["P"]
         oldest_lowest = lambda js, f: min(js, key=lambda j: (f(j), P[j]))  # noqa: E731
         assert name != "full", "full never evicts"
+        if name not in KNOWN:
+            keep = self.policy.keep_score(torch.tensor([score[j] for j in cached]), torch.tensor([P[j] for j in cached]),
+                                          torch.tensor(t)).tolist()
+            return min(zip(cached, keep), key=lambda jk: (jk[1], P[jk[0]]))[0]
         if name == "local":
             return min(cached, key=lambda j: P[j])
         if name == "sinks":
@@ -188,6 +194,9 @@ class ReferenceCache:
         if name == "keydiff":
             sim = self._similarity(K, range(T), h)
             return best(range(T), lambda j: sim(j))[:C]
+        if name not in KNOWN:
+            keep = self.policy.keep_score(torch.tensor(s), torch.arange(T), torch.tensor(T - 1)).tolist()
+            return best(range(T), lambda j: keep[j])[:C]
         return best(range(T), lambda j: s[j])[:C]  # heavy_hitter, tova, knorm
 
 

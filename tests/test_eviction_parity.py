@@ -1,12 +1,14 @@
 """Every fast path of the evicting cache against the naive reference (tests/reference.py), fp32, 1e-4:
 the decode step, stream prefill in chunks, dense prefill then decoding, and ragged batches, for every
 registered policy, with keys and values as they are and quantized to 8 and 4 bits."""
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from h2o_mini.cache import KVCache
 from h2o_mini.generate import Decoder, left_pad
-from h2o_mini.policies import REGISTRY, make_policy
+from h2o_mini.policies import REGISTRY, Policy, make_policy
 
 from .conftest import FAMILIES, text_bytes
 from .reference import reference_logits
@@ -127,3 +129,30 @@ def test_capacity_at_least_length_equals_full(tiny_model, name, prefill):
     policy = make_policy(name, None if name == "full" else T, T)  # C = L
     plan = [(0, 30, prefill)] + [(t, t + 1, "step") for t in range(30, T)]
     assert _close(_run(model, IDS, policy, plan), full)
+
+
+@dataclass(frozen=True)
+class _Unlisted(Policy):
+    """A policy the reference does not write out (as a new one would be): it is ranked by its own keep_score."""
+
+    keep: int
+    name = "unlisted_mid_window"
+    needs_scores = True
+
+    @property
+    def capacity(self) -> int:
+        return self.keep
+
+    def keep_score(self, score, pos, t, keys=None):
+        return torch.where(pos < 2, torch.inf, score - 0.01 * (t - pos).float())  # sinks, then attention - age
+
+
+@pytest.mark.parametrize("mode", ["step", "stream", "dense"])
+def test_a_new_policy_is_checked_by_its_own_keep_score(tiny_model, mode):
+    model, policy = tiny_model("llama_gqa_tied"), _Unlisted(keep=9)
+    n = 30 if mode == "dense" else 0
+    want = reference_logits(model, IDS, policy, dense_prompt=n)
+    first = [(0, n, "dense")] if n else [(0, 20, mode)] if mode == "stream" else []
+    start = first[-1][1] if first else 0
+    got = _run(model, IDS, policy, first + [(t, t + 1, "step") for t in range(start, T)])
+    assert _close(got, want)

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from h2o_mini import H2O, REGISTRY, Full, HeavyHitter, Local, Sinks, UserError, make_policy
+from h2o_mini import (H2O, REGISTRY, TOVA, Full, HeavyHitter, KeyDiff, KNorm, Local, PyramidKV, Scissorhands, Sinks,
+                      SnapKV, UserError, make_policy)
 from h2o_mini.cache import KVCache
 from h2o_mini.config import Config
 from h2o_mini.policies import capacity_for, parse_budget
@@ -143,3 +144,73 @@ def test_h2o_degenerates_to_local_and_heavy_hitter(tiny_model):
         (a, ca), (b, cb) = _conformance_run(model, h2o, ids), _conformance_run(model, other, ids)
         assert all(torch.equal(x.pos.sort(-1).values, y.pos.sort(-1).values) for x, y in zip(ca.layers, cb.layers))
         assert (a - b).abs().max().item() <= 1e-5  # the same tokens kept; local attends through SDPA
+
+
+# ---- the rules of the policies beyond the spec, on hand-made caches (one layer, a GQA group of 2) ----
+
+def _one_step(policy, pos, score, keys=None, q=None):
+    """A full cache of len(pos) slots, then one token (position 9) attends with query q (default 0: uniform
+    attention). Returns the cached positions (slot order) and scores after the step."""
+    C = len(pos)
+    cache = KVCache(CFG, policy, 1, C)
+    lc = cache.layers[0]
+    lc.pos[0, 0] = torch.tensor(pos)
+    lc.score[0, 0] = torch.tensor(score, dtype=torch.float32)
+    if keys is not None:
+        lc.k[0][0, 0] = torch.tensor(keys, dtype=torch.float32)
+    q = torch.zeros(1, 2, 1, 4) if q is None else q
+    lc.attend(q, torch.tensor([[[[0.0, 0.0, 0.0, 1.0]]]]), torch.randn(1, 1, 1, 4), torch.tensor([[9]]), "step")
+    return lc.pos[0, 0].tolist(), lc.score[0, 0].tolist()
+
+
+def test_tova_replaces_scores_with_the_last_querys_attention():
+    pos, score = _one_step(TOVA(keep=3), [2, 5, 7], [5.0, 1.0, 7.0])
+    assert pos == [2, 9, 7]  # the lowest score (5: 1.0) went
+    assert score == pytest.approx([2 / 3] * 3)  # uniform attention of 2 heads over 3 tokens, not added
+
+
+def test_scissorhands_counts_the_important_queries_of_its_window():
+    # Uniform attention makes every token important to every query: bits shift in as ones.
+    seen = uniform_steps(Scissorhands(heavy=3, recent=1, window=2), 3, "step")
+    assert seen[-1] == ([0, 1, 2], [3.0, 3.0, 1.0])  # 0b11, 0b11 (window 2 keeps two bits), 0b1
+    # evict the token important least often outside the window (ties: the oldest)
+    pol = Scissorhands(heavy=1, recent=2, window=3)
+    assert pol.keep_score(torch.tensor([0b111, 0b001, 0b110, 0.0]), torch.tensor([1, 2, 3, 8]), torch.tensor(9)).tolist() \
+        == [3.0, 1.0, 2.0, math.inf]
+    pos, _ = _one_step(pol, [1, 2, 3], [0b111, 0b001, 0b110])
+    assert pos == [1, 9, 3]
+    with pytest.raises(UserError):
+        Scissorhands(heavy=2, recent=2, window=25)  # the bits must fit fp32's 24-bit integers
+
+
+def test_knorm_evicts_the_largest_key():
+    keys = [[1.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0, 2.0, 0]]
+    pos, score = _one_step(KNorm(keep=3), [0, 1, 2], [-1.0, -5.0, -2.0], keys)
+    assert pos == [0, 9, 2] and score[1] == -1.0  # the new key (norm 1) entered with minus its norm
+
+
+def test_keydiff_evicts_the_key_most_like_the_mean():
+    keys = [[1.0, 0, 0, 0], [0, 1.0, 0, 0], [2.0, 0.1, 0, 0]]  # the anchor leans to the first direction
+    pos, _ = _one_step(KeyDiff(keep=3), [0, 1, 2], [0.0] * 3, keys)
+    assert pos == [0, 1, 9]  # slot 2 (cos 0.9995... with itself and slot 0 near the anchor) is the most typical
+    pos, _ = _one_step(KeyDiff(keep=3), [0, 1, 2], [0.0] * 3, [[1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0]])
+    assert pos == [9, 1, 2]  # a tie between 0 and 2: the oldest goes
+
+
+def test_snapkv_pools_the_observation_windows_attention():
+    pol = SnapKV(heavy=4, window=2, kernel=3)
+    assert pol.prompt_window == 2
+    pooled = pol.prompt_score(torch.tensor([[[0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0]]]))
+    assert pooled.tolist() == [[[0.0, 5.0, 5.0, 5.0, 0.0, 1.0, 1.0, 1.0]]]
+    with pytest.raises(UserError):
+        SnapKV(heavy=4, window=2, kernel=4)
+
+
+def test_pyramidkv_shrinks_with_depth_and_keeps_the_total():
+    pol = PyramidKV(heavy=100, window=32)
+    caps = [pol.layer_capacity(i, 30, 4096) for i in range(30)]
+    assert sum(caps) == 30 * pol.capacity  # the same memory as C in every layer
+    assert caps == sorted(caps, reverse=True) and caps[0] == 32 + 195 and caps[-1] == 32 + 5
+    assert [pol.layer_capacity(i, 30, 100) for i in (0, 29)] == [100, 100]  # C >= L: everything, every layer
+    capped = [pol.layer_capacity(i, 30, 200) for i in range(30)]  # the bottom would exceed L: capped, total kept
+    assert max(capped) == 200 and sum(capped) == 30 * 132

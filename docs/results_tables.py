@@ -1,6 +1,7 @@
 """Prints the markdown tables of docs/results.md from the JSON lines docs/run_results.sh writes.
 
-    python docs/results_tables.py [docs/results]
+    python docs/results_tables.py [docs/results]              # docs/run_results.sh
+    python docs/results_tables.py docs/results leaderboard  # docs/run_leaderboard.sh
 """
 import json
 import sys
@@ -13,6 +14,50 @@ def rows(name):
     path = out / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
+
+def leaderboard():
+    """The policy leaderboard and the quantization table (docs/run_leaderboard.sh)."""
+    for text in ("GPL-3", "GFDL-1.3"):
+        board = rows(f"leaderboard_{text}.jsonl")
+        if not board:
+            continue
+        full = next(r for r in board if r["policy"] == "full")
+        h2o = {r["budget"]: r["ppl"] for r in board if r["policy"] == "h2o"}
+        print(f"\n### {text}, 2048 tokens (full: ppl {full['ppl']:.2f}, KV {full['kv_bytes'] / 2**20:.1f} MiB)\n")
+        print("ppl / top-1 agreement with full / KL(full || policy) in nats / KV MiB; *gap*: the share of h2o's "
+              "perplexity gap to full that the policy closes (negative: wider)\n")
+        budgets = sorted({r["budget"] for r in board if r["budget"]}, key=float)
+        print("| policy | " + " | ".join(f"{b}: ppl / top-1 / KL / MiB | gap" for b in budgets) + " |")
+        print("|---|" + "---|---|" * len(budgets))
+        for policy in dict.fromkeys(r["policy"] for r in board if r["policy"] != "full"):
+            cells = []
+            for b in budgets:
+                r = next((r for r in board if r["policy"] == policy and r["budget"] == b), None)
+                if r is None:
+                    cells += ["", ""]
+                    continue
+                gap = (h2o[b] - r["ppl"]) / (h2o[b] - full["ppl"]) if b in h2o and h2o[b] != full["ppl"] else None
+                cells += [f"{r['ppl']:.2f} / {r['top1_agree_full']:.3f} / {r['kl_full']:.3f} / "
+                          f"{r['kv_bytes'] / 2**20:.1f}", "" if gap is None or policy == "h2o" else f"{gap:+.0%}"]
+            print(f"| {policy} | " + " | ".join(cells) + " |")
+    for text in ("GPL-3", "GFDL-1.3"):
+        points = [r for bits in (8, 4) for r in rows(f"quant{bits}_{text}.jsonl") if r["policy"] == "h2o"]
+        points += [r for r in rows(f"leaderboard_{text}.jsonl") if r["policy"] == "h2o"]
+        points += [r for r in rows(f"quant32_{text}.jsonl") if r["policy"] == "h2o"]
+        if not points:
+            continue
+        print(f"\n### h2o at equal KV bytes, {text}, 2048 tokens\n")
+        print("| KV MiB | bits | budget | C | ppl | top-1 | KL |")
+        print("|---|---|---|---|---|---|---|")
+        for r in sorted(points, key=lambda r: (r["kv_bytes"], -r["kv_bits"])):
+            print(f"| {r['kv_bytes'] / 2**20:.2f} | {r['kv_bits']} | {r['budget']} | {r['capacity']} | {r['ppl']:.2f} | "
+                  f"{r['top1_agree_full']:.3f} | {r['kl_full']:.3f} |")
+
+
+
+if "leaderboard" in sys.argv:
+    leaderboard()
+    sys.exit()
 
 for text in ("GPL-3", "GFDL-1.3"):
     print(f"\n### {text}, 4096 tokens\n")
@@ -28,7 +73,7 @@ print("|---|---|---|---|---|")
 for r in rows("attention.jsonl"):
     print(f"| {r['layer']} | {r['tokens']} | {r['top20_share']:.3f} | {r['max']:.1f} | {r['median']:.2f} |")
 
-for prefill in ("dense", "stream"):
+for prefill in ("dense", "stream", "snapkv"):  # needle_snapkv: docs/run_leaderboard.sh (dense)
     cells = rows(f"needle_{prefill}.jsonl")
     if not cells:
         continue

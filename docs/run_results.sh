@@ -6,9 +6,11 @@ set -euo pipefail
 out=${1:-docs/results}
 mkdir -p "$out"
 lic=/usr/share/common-licenses
-# 1. The ablation: every registered policy at 0.05 / 0.1 / 0.2 / 0.5, 4096 tokens of two texts.
+# 1. The ablation: H2O, its two halves and sinks at 0.05 / 0.1 / 0.2 / 0.5, 4096 tokens of two texts (every
+#    registered policy at 2048 tokens: docs/run_leaderboard.sh).
 for text in GPL-3 GFDL-1.3; do
-  h2o-mini eval sweep ppl --text $lic/$text --tokens 4096 --out "$out/ablation_$text.jsonl" \
+  h2o-mini eval sweep ppl --text $lic/$text --tokens 4096 --policy local --policy heavy_hitter --policy h2o \
+    --policy sinks --out "$out/ablation_$text.jsonl" \
     --plot "$out/ablation_$text.png" --json > /dev/null
 done
 # 2. The attention power law (the heavy-hitter observation), 1024 tokens of GPL-3.

@@ -186,8 +186,10 @@ def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots
     it is a real token (padding evicts, inserts and scores nothing); slots: arange(S); keys: (B, H, S, hd)
     or None. Element-wise masks only (no indexing by t), so torch.compile fuses it into one kernel.
     """
-    cached_pos = pos.masked_fill(~alive, -1)  # what the policy sees: only the cached tokens have a position
-    keep = policy.keep_score(score, cached_pos, t, keys).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
+    # A rule across slots (KeyDiff's mean key) must see which slots are cached; element-wise rules need not
+    # (the masks below override the keep-score of every other slot), so they are spared the op.
+    seen = pos.masked_fill(~alive, -1) if policy.needs_keys else pos
+    keep = policy.keep_score(score, seen, t, keys).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
     victim = (slots == keep.argmin(-1, keepdim=True)) & ok  # an empty slot while the cache is filling
     arrive = (pos == t) & ok
     member = member & ~victim | arrive

@@ -8,10 +8,11 @@ policy alone interprets. A policy is a frozen dataclass of parameters (all state
 * `capacity`: C, the tokens kept per (layer, row, KV head); `None` means "the whole sequence".
   `layer_capacity(layer, n_layer, length)` may give each layer its own share (PyramidKV).
 * `keep_score(score, pos, t, keys)`: higher means keep, +inf = protected. Inputs: the cached tokens'
-  scores (fp32) and original positions (int64; < 0: not a cached token), both (B, n_kv_head, S), the
+  scores (fp32) and original positions (int64; < 0: an empty slot), both (B, n_kv_head, S), the
   arriving position `t` broadcastable to them, and, if `needs_keys`, their keys (B, n_kv_head, S, head_dim)
   as attention reads them, else None. Pure tensor code, no `.item()` and no Python branch on values, so
-  it runs inside the compiled decode step.
+  it runs inside the compiled decode step. Keep-scores are element-wise per slot unless `needs_keys`: only
+  then are all non-cached slots guaranteed a position < 0 (the stream loop's virtual slots).
 * `insert_score(keys)`: the score a token enters with, from its key (B, H, T, hd) -> (B, H, T); H2O: 0.
 * `accumulate(score, probs, attended)`: the scores after Q consecutive queries, in order. probs: their fp32
   attention (B, H, Q, S), summed over each GQA group; attended: (B, H, Q, S) bool, the tokens each query

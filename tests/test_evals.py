@@ -101,6 +101,8 @@ def test_eval_tasks_cli_json_and_errors(folder, task_dir, tmp_path, capsys, monk
     assert code == 0, err
     row = json.loads(stdout)
     assert row["policy"] == "local" and row["budget"] == "16" and "acc,none" in row["results"]["tiny_choice"]
+    cfg = api.load(folder).model.cfg  # a 16-slot cache (fp32 K and V, int64 position, fp32 score) per request
+    assert row["kv_bits"] == 32 and row["kv_bytes"] == cfg.n_layer * cfg.n_kv_head * 16 * (2 * cfg.head_dim * 4 + 12)
     assert json.loads(out.read_text())["results"] == row["results"]
     one_line_error(run_cli(capsys, monkeypatch, "eval", "tasks", "--model", folder, "--tasks", "nope_task"),
                    "unknown task 'nope_task'")
@@ -150,8 +152,11 @@ def test_needle_cli(folder, tmp_path, capsys, monkeypatch):
     assert code == 0, err
     cells = [json.loads(line) for line in out.splitlines()]
     assert len(cells) == 2 * 2 * 2
-    keys = {"policy", "budget", "prefill", "length", "depth", "seed", "found", "answer"}
+    keys = {"policy", "budget", "prefill", "length", "depth", "seed", "found", "answer", "kv_bits", "kv_bytes"}
     assert all(keys <= set(c) for c in cells) and {c["policy"] for c in cells} == {"full", "h2o"}
+    h2o_bytes = {c["length"]: c["kv_bytes"] for c in cells if c["policy"] == "h2o"}
+    full_bytes = {c["length"]: c["kv_bytes"] for c in cells if c["policy"] == "full"}
+    assert all(0.45 < h2o_bytes[n] / full_bytes[n] < 0.51 for n in (200, 300))  # budget 0.5 of the sequence
     assert png.read_bytes()[:4] == b"\x89PNG"
     short = tmp_path / "short.txt"
     short.write_text("Too short to hide a needle in. " * 5)

@@ -37,11 +37,6 @@ class PyramidKV(SnapKV):
         top = self.heavy / self.beta
         bottom = min(2 * self.heavy - top, length - self.window)  # a layer never holds more than L
         top = 2 * self.heavy - bottom  # keep the total where the cap took from the bottom layers
-        share = lambda i: bottom + (top - bottom) * i / max(n_layer - 1, 1)  # noqa: E731  heavy share of layer i
+        share = lambda i: bottom + (top - bottom) * i / (n_layer - 1)  # noqa: E731  heavy share of layer i
         running = lambda i: math.floor(sum(share(j) for j in range(i)) + 1e-9)  # noqa: E731
         return min(length, self.window + running(layer + 1) - running(layer))
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "PyramidKV":
-        window = min(32, capacity - capacity // 2) if recent is None else recent
-        return cls(heavy=capacity - window, window=window)

@@ -41,17 +41,17 @@ def leaderboard():
                           f"{r['kv_bytes'] / 2**20:.1f}", "" if gap is None or policy == "h2o" else f"{gap:+.0%}"]
             print(f"| {policy} | " + " | ".join(cells) + " |")
     for text in ("GPL-3", "GFDL-1.3"):
-        points = [r for bits in (8, 4) for r in rows(f"quant{bits}_{text}.jsonl") if r["policy"] == "h2o"]
-        points += [r for r in rows(f"leaderboard_{text}.jsonl") if r["policy"] == "h2o"]
+        points = [r for bits in (8, 4) for r in rows(f"quant{bits}_{text}.jsonl")]  # h2o, and full at 8 / 4 bits
+        points += [r for r in rows(f"leaderboard_{text}.jsonl") if r["policy"] in ("h2o", "full")]
         points += [r for r in rows(f"quant32_{text}.jsonl") if r["policy"] == "h2o"]
         if not points:
             continue
-        print(f"\n### h2o at equal KV bytes, {text}, 2048 tokens\n")
-        print("| KV MiB | bits | budget | C | ppl | top-1 | KL |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"\n### h2o (and full) at equal KV bytes, {text}, 2048 tokens\n")
+        print("| KV MiB | policy | bits | budget | C | ppl | top-1 | KL |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in sorted(points, key=lambda r: (r["kv_bytes"], -r["kv_bits"])):
-            print(f"| {r['kv_bytes'] / 2**20:.2f} | {r['kv_bits']} | {r['budget']} | {r['capacity']} | {r['ppl']:.2f} | "
-                  f"{r['top1_agree_full']:.3f} | {r['kl_full']:.3f} |")
+            print(f"| {r['kv_bytes'] / 2**20:.2f} | {r['policy']} | {r['kv_bits']} | {r['budget'] or 'all'} | "
+                  f"{r['capacity']} | {r['ppl']:.2f} | {r['top1_agree_full']:.3f} | {r['kl_full']:.3f} |")
 
 
 

@@ -65,6 +65,9 @@ def test_kv_bits_on_the_command_line(byte_folder):
     assert [rows[b]["kv_bits"] for b in (None, 8, 4)] == [32, 8, 4]
     assert rows[None]["kv_bytes"] > rows[8]["kv_bytes"] > rows[4]["kv_bytes"]
     assert rows[8]["nll"] != rows[None]["nll"] and abs(rows[8]["nll"] - rows[None]["nll"]) < 0.01
+    full = [json.loads(run(*base[:-5], "--json", *(["--kv-bits", 4] if bits else [])).stdout) for bits in (0, 4)]
+    assert full[0]["policy"] == full[1]["policy"] == "full" and full[1]["kv_bytes"] < full[0]["kv_bytes"] / 3
+    assert full[1]["nll"] != full[0]["nll"]  # never evicting, full still reads its keys and values as stored
     r = run("bench", "--model", folder, "--policy", "h2o", "--budget", 8, "--prompt-tokens", 16, "--new-tokens", 4,
             "--no-compile", "--kv-bits", 4, "--json")
     assert r.returncode == 0, r.stderr

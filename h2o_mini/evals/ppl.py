@@ -63,13 +63,14 @@ def full_logprobs(model: Transformer, ids: list[int]) -> torch.Tensor:
 def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
     """The logits of left-padded rows read teacher-forced under `policy`, chunk by chunk:
     (start, (B, k, V) fp32). Stream mode, unless C >= the longest row: then nothing is ever evicted and one
-    causal pass gives the same logits."""
+    causal pass gives the same logits (through the cache's dense path if it quantizes keys and values, so
+    that attention reads them as stored; with no cache at all otherwise)."""
     model, chunk = decoder.model, decoder.chunk
     idx, pos = left_pad(rows, device=next(model.parameters()).device)
     T = idx.shape[1]
     cache = decoder.new_cache(policy, idx.shape[0], T)
     if not cache.evicts:
-        yield 0, model(idx, pos)
+        yield 0, model(idx, pos) if decoder.kv_bits is None else model(idx, pos, cache, mode="dense")
         return
     for s in range(0, T, chunk):
         yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")

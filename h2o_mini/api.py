@@ -20,7 +20,7 @@ from .evals.ppl import score_text
 from .generate import Decoder, Sampling
 from .model import Transformer
 from .policies import Policy, make_policy
-from .quant import KV_BITS
+from .quant import check_kv_bits
 from .tokenizer import Tokenizer
 from .weights.default import prepare_default_model
 from .weights.hf import load_hf
@@ -73,12 +73,6 @@ def load(model: str | Path | None = None, dtype: str = "float32", device: str = 
         raise UserError(f"{folder}: the tokenizer has {tokenizer.vocab_size} ids but the model only "
                         f"{lm.cfg.vocab_size} embeddings")
     return LM(lm, tokenizer, folder)
-
-
-def check_kv_bits(kv_bits: int | None) -> int | None:
-    if kv_bits is not None and kv_bits not in KV_BITS:
-        raise UserError(f"kv_bits {kv_bits!r} must be one of {', '.join(map(str, KV_BITS))} (or None: unquantized)")
-    return kv_bits
 
 
 def as_policy(policy: str | Policy, budget, length: int, recent=None) -> Policy:

@@ -27,6 +27,13 @@ KV_BITS = (4, 8)
 GROUP = 32  # channels per scale, or the largest power of two that divides head_dim if smaller
 
 
+def check_kv_bits(kv_bits: int | None) -> int | None:
+    """None (unquantized), 8 or 4; anything else is a UserError."""
+    if kv_bits is not None and kv_bits not in KV_BITS:
+        raise UserError(f"kv_bits {kv_bits!r} must be one of {', '.join(map(str, KV_BITS))} (or None: unquantized)")
+    return kv_bits
+
+
 class Plain:
     """Keys and values stored in the model's dtype."""
 
@@ -48,8 +55,7 @@ class Quantized:
     """Keys and values stored as `bits`-bit codes with per-token, per-group fp16 scale and zero point."""
 
     def __init__(self, bits: int, head_dim: int, dtype: torch.dtype):
-        if bits not in KV_BITS:
-            raise UserError(f"kv_bits {bits!r} must be one of {', '.join(map(str, KV_BITS))} (or None: unquantized)")
+        check_kv_bits(bits)
         if bits == 4 and head_dim % 2:
             raise UserError(f"4-bit keys and values pack two channels a byte: head_dim {head_dim} is odd")
         self.bits, self.dtype, self.levels = bits, dtype, 2**bits - 1

@@ -83,7 +83,8 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
                     answer = lm.tokenizer.decode(tokens).strip()
                     yield {"policy": name, "budget": budget, "capacity": policy.capacity or length + ANSWER_TOKENS,
                            "kv_bits": decoder.stored_bits,
-                           "kv_bytes": decoder.cache_bytes(policy, 1, length + ANSWER_TOKENS), "prefill": prefill, "length": length, "depth": depth, "seed": seed,
+                           "kv_bytes": decoder.cache_bytes(policy, 1, length + ANSWER_TOKENS),
+                           "prefill": prefill, "length": length, "depth": depth, "seed": seed,
                            "needle_position": at, "number": number, "found": str(number) in answer,
                            "answer": answer}
                     bar.update()

@@ -19,6 +19,7 @@ from .errors import UserError, note
 from .evals.ppl import score_text
 from .generate import Decoder, Sampling
 from .model import Transformer
+from .parallel import Shard, common_seed
 from .policies import Policy, make_policy
 from .quant import check_kv_bits
 from .tokenizer import Tokenizer
@@ -62,12 +63,15 @@ def check_device(device: str) -> str:
     return device
 
 
-def load(model: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LM:
+def load(model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
+         shard: Shard | None = None) -> LM:
+    """shard: this rank's place under tensor parallelism (`parallel.from_env()` under torchrun): the model then
+    holds only its slice of the heads and the MLP, and so will every cache made for it."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     check_device(device)
     folder = resolve_model(model)
-    lm = load_hf(folder, DTYPES[dtype], device)
+    lm = load_hf(folder, DTYPES[dtype], shard.device(device) if shard else device, shard)
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > lm.cfg.vocab_size:
         raise UserError(f"{folder}: the tokenizer has {tokenizer.vocab_size} ids but the model only "
@@ -135,6 +139,7 @@ def stream(lm: LM, prompts: list[str], policy: str | Policy = "full", budget=Non
     pol = as_policy(policy, budget, longest + max_new_tokens, recent)
     rows, ended = [[] for _ in ids], [False] * len(ids)
     decoder = Decoder(lm.model, compile=compile, kv_bits=check_kv_bits(kv_bits))
+    seed = common_seed(seed, lm.model.shard)  # every tensor-parallel rank samples the same tokens
     for token in decoder.generate(ids, pol, max_new_tokens, prefill, sampling, lm.eos_ids, seed):
         for r, t in enumerate(token.tolist()):
             ended[r] = ended[r] or t in lm.eos_ids

@@ -1,27 +1,36 @@
 """`h2o-mini bench`: what an eviction policy buys in speed and memory, measured side by side in one process.
 
-For one configuration (policy, budget, batch, prompt and new tokens) it reports prefill seconds, decode
-tokens/s (batch x generated tokens / decode seconds; the first new token comes from the prefill), the
-KV cache's bytes, and peak memory (max RSS on CPU, the allocator's peak on CUDA). Prompts are slices of
-a real text. The decode step is warmed up (and compiled, if asked) on a scratch cache before timing.
+For each configuration (policy, budget, batch, prompt tokens, new tokens) it reports prefill seconds, decode
+tokens/s (batch x generated tokens / decode seconds; the first new token comes from the prefill), the KV
+cache's bytes, and that configuration's own peak memory: on CUDA the allocator's peak, reset before it; on
+CPU the process's peak resident set (Linux `VmHWM`), reset before it by writing 5 to /proc/self/clear_refs
+after freed memory has been handed back to the system (None where that reset is not possible). Both count
+the weights, the cache and the prefill's temporary tensors. Prompts are slices of a real text. The decode
+step is warmed up (and compiled, if asked) on a scratch cache before timing.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
-import resource
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .api import LM
 from .files import read_text
 from .errors import UserError, note
 from .generate import Decoder, left_pad
+from .parallel import kv_bytes
 from .policies import REGISTRY, make_policy, recent_if_taken
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+COLUMNS = {"policy": 12, "budget": 6, "capacity": 8, "batch": 5, "prompt_tokens": 13, "new_tokens": 10,
+           "prefill_s": 9, "decode_tok_s": 12, "kv_bits": 7, "kv_bytes": 11, "peak_mem_bytes": 14}
 
 
 def text_prompts(lm: LM, text: Path, batch: int, prompt_tokens: int) -> list[list[int]]:
@@ -39,24 +48,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _peak(device: torch.device) -> int:
+def reset_peak(device: torch.device) -> bool:
+    """Start a new peak-memory measurement; False where the platform cannot (then `read_peak` gives None)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages back to the system, so they leave the RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: VmHWM := the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def read_peak(device: torch.device, was_reset: bool) -> int | None:
+    """Bytes at the peak since `reset_peak`."""
+    if not was_reset:
+        return None
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 @torch.inference_mode()
-def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, prompt_tokens: int,
-              new_tokens: int, prefill: str = "dense", recent=None, text: Path = DEFAULT_TEXT,
-              same_prompt: bool = False) -> dict:
-    """One configuration. `same_prompt`: every row gets the same prompt, prefilled once and its cache copied
-    into each row; the decode step does exactly the same work per row as with distinct prompts (static
+def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[list[int]], new_tokens: int,
+              prefill: str = "dense", recent=None, same_prompt: bool = False, label: str = "") -> dict:
+    """One configuration: every prompt a row. `same_prompt`: the first prompt is prefilled once and its cache
+    copied into each row; the decode step does exactly the same work per row as with distinct prompts (static
     shapes), so decode tokens/s are unchanged while a long-context prefill costs 1/batch of the time."""
-    model = lm.model
     device = next(model.parameters()).device
+    batch, prompt_tokens = len(prompts), max(len(p) for p in prompts)
     length = prompt_tokens + new_tokens
     policy = make_policy(policy_name, budget, length, recent)
-    prompts = text_prompts(lm, text, batch, prompt_tokens)
     idx, pos = left_pad(prompts[:1] * batch if same_prompt else prompts, device=device)
     step_pos = pos[:, -1:] + 1
     token = idx[:, -1:]
@@ -64,8 +91,7 @@ def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, pr
     for i in range(3):
         decoder.step(model, scratch, token, step_pos + i)
     del scratch
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    was_reset = reset_peak(device)
     _sync(device)
     t0 = time.perf_counter()
     cache = decoder.new_cache(policy, batch, length)
@@ -80,16 +106,15 @@ def bench_one(lm: LM, decoder: Decoder, policy_name: str, budget, batch: int, pr
         token = decoder.prefill(cache, idx, pos, prefill).argmax(-1, keepdim=True)  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()
-    for i in range(new_tokens - 1):
+    for i in tqdm(range(new_tokens - 1), desc=label or policy.name, unit="step", disable=None, leave=False):
         token = decoder.step(model, cache, token, step_pos + i).argmax(-1, keepdim=True)
     _sync(device)
     t2 = time.perf_counter()
     return {"policy": policy.name, "budget": budget, "capacity": cache.capacity, "batch": batch,
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill": prefill, "same_prompt": same_prompt,
             "prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
-            "decode_tok_s": rate(batch * (new_tokens - 1), t2 - t1), "kv_bytes": cache.nbytes,
-            "kv_bits": cache.kv_bits,
-            "peak_mem_bytes": _peak(device), "compiled": decoder.compiled,
+            "decode_tok_s": rate(batch * (new_tokens - 1), t2 - t1), **kv_bytes(model, cache.nbytes),
+            "kv_bits": cache.kv_bits, "peak_mem_bytes": read_peak(device, was_reset), "compiled": decoder.compiled,
             "device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
 
 
@@ -138,53 +163,68 @@ def rate(count: int, seconds: float) -> float | None:
     return round(count / seconds, 3) if seconds > 0 else None
 
 
-def run_bench(lm: LM, policies, budgets, recent, batch: int, prompt_tokens: int, new_tokens: int, prefill: str,
+def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tokens: int, prefill: str,
               text: Path, kv_memory: str | None, max_batch: int, vs_hf: bool, compile: bool, repeat: int = 1,
               same_prompt: bool = False, kv_bits: int | None = None) -> Iterator[dict]:
-    """Every policy x budget (full once), one decoder (compiled once) for all; with `kv_memory`, each at the
+    """Every prompt length x batch x policy x budget (full once), one decoder (compiled once) for all; each
+    row is yielded as soon as its configuration has finished. With `kv_memory`, each configuration runs at the
     largest batch whose cache fits the cap (how the paper's throughput gain arises). With `repeat` > 1 the
-    configurations run interleaved that many times and each row reports the median decode tokens/s (the
-    machine is shared and noisy: side-by-side ratios need it). kv_bits: 8 or 4 quantize keys and values."""
+    configurations run interleaved that many times and each row reports the median prefill seconds and decode
+    tokens/s (the machine is shared and noisy: side-by-side ratios need it) and the highest peak memory.
+    kv_bits: 8 or 4 quantize keys and values. batches, prompt_tokens: an int or a sequence of them (a curve)."""
+    batches = (batches,) if isinstance(batches, int) else tuple(dict.fromkeys(batches))
+    lengths = (prompt_tokens,) if isinstance(prompt_tokens, int) else tuple(dict.fromkeys(prompt_tokens))
     cap = parse_bytes(kv_memory) if kv_memory else None
     policies = policies or ("full",)
     if budgets and all(p == "full" for p in policies):
         raise UserError("policy 'full' keeps every token: --budget does not apply to it")
     if recent is not None and not any(REGISTRY[p].takes_recent for p in policies):
         raise UserError(f"--recent does not apply to {', '.join(policies)}")
+    if cap is not None and len(batches) > 1:
+        raise UserError("--kv-memory chooses each configuration's batch: give no --batch with it")
     budgets = budgets or ("0.2",)
     configs = list(dict.fromkeys((p, None if p == "full" else b) for p in policies for b in budgets))
-    length = prompt_tokens + new_tokens
-    lm.model.cfg.check_length(length, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
+    for n in lengths:
+        lm.model.cfg.check_length(n + new_tokens, f"--prompt-tokens {n} + --new-tokens {new_tokens}")
     decoder = Decoder(lm.model, compile=compile, kv_bits=kv_bits)
-    batches = {}
-    for policy, budget in configs:  # every configuration checked before the first one runs
-        per_row = decoder.cache_bytes(make_policy(policy, budget, length, recent_if_taken(policy, recent)), 1, length)
-        batches[policy, budget] = batch if cap is None else min(max_batch, cap // per_row)
-        if batches[policy, budget] < 1:
-            raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
+    plan = {}  # (prompt tokens, policy, budget, batch) -> the batch it runs at
+    for n in lengths:  # every configuration checked before the first one runs; side-by-side ones adjacent
+        for b in batches:
+            for policy, budget in configs:
+                per_row = decoder.cache_bytes(make_policy(policy, budget, n + new_tokens,
+                                                          recent_if_taken(policy, recent)), 1, n + new_tokens)
+                plan[n, policy, budget, b] = b if cap is None else min(max_batch, cap // per_row)
+                if plan[n, policy, budget, b] < 1:
+                    raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
     param = next(lm.model.parameters())
-    runs = {config: [] for config in configs}
+    runs = {key: [] for key in plan}
     for r in range(repeat):
-        for (policy, budget), b in batches.items():
-            note(f"bench: {policy} budget={budget} batch={b} prompt={prompt_tokens} new={new_tokens} "
-                 f"run {r + 1}/{repeat}")
-            runs[policy, budget].append(bench_one(lm, decoder, policy, budget, b, prompt_tokens, new_tokens, prefill,
-                                                  recent_if_taken(policy, recent), text, same_prompt))
+        for key, b in plan.items():
+            n, policy, budget, _ = key
+            label = f"{policy} budget={budget} batch={b} prompt={n} new={new_tokens}"
+            note(f"bench: {label} run {r + 1}/{repeat}")
+            prompts = text_prompts(lm, text, b, n)
+            runs[key].append(bench_one(lm.model, decoder, policy, budget, prompts, new_tokens, prefill,
+                                       recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}"))
             if r < repeat - 1:
                 continue
-            row = _median(runs[policy, budget], cap)  # this configuration's last run: its row is ready now
+            row = _median(runs[key], cap)  # this configuration's last run: its row is ready now
             if vs_hf:
-                row.update(bench_hf(lm.folder, b, text_prompts(lm, text, b, prompt_tokens), new_tokens, param.dtype,
-                                    param.device))
+                row.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
                 both = row["decode_tok_s"] and row["hf_decode_tok_s"]
                 row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
             yield row
 
 
 def _median(runs: list[dict], cap: int | None) -> dict:
-    """The run of one configuration with the median decode rate, and every run's rate."""
-    done = sorted(runs, key=lambda row: row["decode_tok_s"] or 0.0)
-    row = dict(done[len(done) // 2], decode_tok_s_runs=[x["decode_tok_s"] for x in runs])
+    """One configuration's runs as one row: median prefill seconds and decode rate, the highest peak memory,
+    and every run's decode rate."""
+    rates = [x["decode_tok_s"] for x in runs]
+    row = dict(runs[-1], prefill_s=round(statistics.median(x["prefill_s"] for x in runs), 4),
+               decode_tok_s=statistics.median(r or 0.0 for r in rates) if all(rates) else None,
+               decode_tok_s_runs=rates)
+    peaks = [x["peak_mem_bytes"] for x in runs]
+    row["peak_mem_bytes"] = max(peaks) if all(p is not None for p in peaks) else None
     if cap is not None:
         row["kv_memory_cap"] = cap
     return row
@@ -204,10 +244,18 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def table(rows: list[dict]) -> str:
-    cols = ["policy", "budget", "capacity", "batch", "prompt_tokens", "new_tokens", "prefill_s", "decode_tok_s",
-            "kv_bits", "kv_bytes", "peak_mem_bytes"] + [c for c in ("hf_decode_tok_s", "vs_hf") if c in rows[0]]
-    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    fmt = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([fmt(cols)] + [fmt(row) for row in cells])
+def table_header(vs_hf: bool = False) -> str:
+    """The table's header line; `table_row` gives each row's line as it finishes (fixed column widths)."""
+    return _line({c: c for c in _columns(vs_hf)}, vs_hf)
+
+
+def table_row(row: dict, vs_hf: bool = False) -> str:
+    return _line(row, vs_hf)
+
+
+def _columns(vs_hf: bool) -> dict[str, int]:
+    return {**COLUMNS, **({"hf_decode_tok_s": 15, "vs_hf": 6} if vs_hf else {})}
+
+
+def _line(row: dict, vs_hf: bool) -> str:
+    return "  ".join(str("" if row.get(c) is None else row[c]).rjust(w) for c, w in _columns(vs_hf).items())

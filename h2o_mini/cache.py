@@ -93,9 +93,8 @@ class LayerCache:
         if not scores:
             mask = mask[:, :, None].expand(B, H, g, T, S).reshape(B, H, g * T, S)
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, n_head, T, D), None
-        logits = (qg @ k.transpose(-1, -2)).float() * self.scale  # (B, H, g*T, S)
-        logits = logits.view(B, H, g, T, S).masked_fill(~mask[:, :, None], -torch.inf)
-        probs = logits.softmax(-1)  # (B, H, g, T, S), fp32
+        logits = (qg @ k.transpose(-1, -2)).float().view(B, H, g, T, S)  # a new tensor: changed in place below
+        probs = logits.mul_(self.scale).masked_fill_(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
         out = probs.to(v.dtype).view(B, H, g * T, S) @ v  # (B, H, g*T, hd)
         return out.view(B, n_head, T, D), probs.sum(2)
 
@@ -113,14 +112,21 @@ class LayerCache:
         scored_query = valid & (torch.arange(T, device=q.device) >= first_scored)  # (B, T)
         out = torch.empty_like(q)
         score = policy.insert_score(k)  # (B, H, T)
-        for s in range(0, T, self.dense_block):  # query blocks bound the (T x T) probability memory
-            e = min(T, s + self.dense_block)
+        # Query blocks bound the memory of a block's fp32 probabilities (16 MiB; smaller blocks are faster too).
+        rows = max(1, min(self.dense_block, 2**22 // (B * q.shape[1] * T)))
+        for s in range(0, T, rows):
+            e = min(T, s + rows)
             scores = policy.needs_scores and e > first_scored
-            block = mask[:, None, s:e].expand(B, H, -1, -1)
-            out[:, :, s:e], probs = self._attention(q[:, :, s:e], k, v, block, scores)
+            # Causal: queries s..e-1 see keys 0..e-1 only, so later keys are neither computed nor scored (their
+            # scores stay as inserted: no query before a token may change its score).
+            block = mask[:, None, s:e, :e].expand(B, H, -1, -1)
+            out[:, :, s:e], probs = self._attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], block, scores)
             if scores:  # queries left out of the scoring attend nothing, as far as the policy sees
                 attended = block & scored_query[:, None, s:e, None]
-                score = policy.accumulate(score, probs * attended, attended)
+                if not bool(scored_query[:, s:e].all()):  # masked keys already have probability 0
+                    probs.masked_fill_(~attended, 0.0)
+                seen = policy.accumulate(score[..., :e], probs, attended)
+                score = torch.cat([seen, score[..., e:]], -1)
         score = policy.prompt_score(score)
         t_last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last prompt position
         prompt_pos = pos[:, None, :].expand(B, H, T)
@@ -206,9 +212,11 @@ class KVCache:
     the policy gives its layer (the same C in every layer, except for per-layer policies such as PyramidKV)."""
 
     def __init__(self, cfg: Config, policy: Policy, batch: int, length: int, dtype=torch.float32,
-                 device="cpu", dense_block: int = 512, token_fn=stream_token, kv_bits: int | None = None):
+                 device=None, dense_block: int = 128, token_fn=stream_token, kv_bits: int | None = None):
         """Room for sequences of up to `length` tokens: layer i holds `policy.layer_capacity(i, n_layer, length)`
-        tokens per row and KV head (never more than `length`). kv_bits: None, 8 or 4 (see `quant.py`)."""
+        tokens per row and KV head (never more than `length`). kv_bits: None, 8 or 4 (see `quant.py`).
+        device: None = torch's default device (like its tensor factories)."""
+        device = torch.get_default_device() if device is None else device
         self.policy, self.length = policy, length
         self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it
         self.layers = [LayerCache(cfg, policy, batch, policy.layer_capacity(i, cfg.n_layer, length), dtype, device,

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import click
 
-from . import api
-from .bench import DEFAULT_TEXT, run_bench, table
+from . import api, parallel
 from .errors import UserError
 from .files import check_output, read_text
 from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
+from .bench import DEFAULT_TEXT
+from .cli_bench import bench
 from .cli_eval import eval_
 from .cli_sweep import sweep
 from .cli_options import (COUNT, IMAGE, RECENT_HELP, Budget, Finite, ListOf, kv_bits_option, model_options,
@@ -28,8 +29,14 @@ NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="h2o-mini")
-def cli():
-    """h2o-mini: H2O (Heavy-Hitter Oracle) KV-cache eviction, small and exact, in pure PyTorch."""
+@click.pass_context
+def cli(ctx):
+    """h2o-mini: H2O (Heavy-Hitter Oracle) KV-cache eviction, small and exact, in pure PyTorch.
+
+    Tensor parallel: torchrun --nproc-per-node N -m h2o_mini generate|eval ppl|bench ... (each rank holds and
+    evicts 1/N of the KV heads; rank 0 prints)."""
+    if ctx.invoked_subcommand and ctx.invoked_subcommand not in ("generate", "eval", "bench"):
+        parallel.refuse(ctx.invoked_subcommand)
 
 
 @cli.command(short_help="Download and convert the default model ahead of time (~0.5 GB).")
@@ -87,7 +94,7 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
     else:
         raise UserError("give a PROMPT or --prompts-file")
     sampling = Sampling(temperature, top_k, top_p)
-    lm = api.load(model, dtype, device)
+    lm = api.load(model, dtype, device, parallel.from_env(device))
     compile = device.startswith("cuda") if compile is None else compile
     rows, shown = [[] for _ in prompts], ""
     try:
@@ -111,60 +118,6 @@ def _print_rows(lm, prompts: list[str], rows: list[list[int]], shown: str) -> No
         return
     for p, r in zip(prompts, rows):
         click.echo(f"### {p}\n{lm.tokenizer.decode(r)}\n")
-
-
-@cli.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
-Examples:
-  h2o-mini bench --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 32
-  h2o-mini bench --policy full --new-tokens 32 --vs-hf            # against transformers generate
-  h2o-mini bench --sweep --policy local --policy h2o --budget 0.1 --budget 0.5 --prompt-tokens 256 --new-tokens 16
-  h2o-mini bench --kv-memory 32MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 32
-""")
-@model_options
-@click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
-              help="repeat to compare several (default: full)")
-@click.option("--budget", "budgets", multiple=True, type=Budget(), help="repeat to sweep: " + BUDGET_HELP)
-@click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, COUNT))
-@click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(2, COUNT))
-@click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
-@click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True, help="prompts are cut from it")
-@click.option("--sweep", is_flag=True, help="every --policy x every --budget in one table (default: the four "
-              "policies x budgets 0.1, 0.2, 0.5)")
-@click.option("--kv-memory", default=None, help="a KV-cache cap (bytes, or 512MB / 2GiB): each policy runs at the "
-              "largest batch whose cache fits")
-@click.option("--max-batch", default=256, show_default=True, type=click.IntRange(1, 4096), help="with --kv-memory")
-@click.option("--vs-hf", is_flag=True, help="also time transformers generate on the same settings (same run)")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1, 100),
-              help="run the configurations interleaved N times; report the median")
-@click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
-@click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda; on "
-              "CPU it does not pay, see docs/benchmarks.md)")
-@kv_bits_option
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration, as each finishes")
-def bench(model, dtype, device, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill, text_path,
-          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, as_json):
-    """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side."""
-    compile = device.startswith("cuda") if compile is None else compile
-    if sweep:
-        policies = policies or ("full", "local", "heavy_hitter", "h2o")
-        budgets = budgets or ("0.1", "0.2", "0.5")
-    read_text(text_path)
-    lm = api.load(model, dtype, device)
-    rows = []
-    try:
-        for row in run_bench(lm, policies, budgets, recent, batch, prompt_tokens, new_tokens, prefill,
-                             Path(text_path), kv_memory, max_batch, vs_hf, compile, repeat, same_prompt, kv_bits):
-            rows.append(row)
-            if as_json:
-                click.echo(json.dumps(row))
-    except KeyboardInterrupt:  # the finished configurations are printed, then the interrupt goes on
-        if rows and not as_json:
-            click.echo(table(rows))
-        raise
-    if not as_json:
-        click.echo(table(rows))
 
 
 @cli.group(short_help="Pictures of what eviction does.")
@@ -203,6 +156,7 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
     click.echo(out)
 
 
+cli.add_command(bench)
 cli.add_command(eval_)
 eval_.add_command(sweep)
 
@@ -245,12 +199,14 @@ def main() -> None:
     """Entry point: any bad input becomes one line on stderr and a non-zero exit, never a traceback.
     Ctrl-C (or SIGTERM) prints what was finished, then exits 130."""
     signal.signal(signal.SIGTERM, _terminate)
+    parallel.quiet_other_ranks()
     try:
         try:  # click's own main would turn Ctrl-C into a bare "Aborted!"
             with cli.make_context("h2o-mini", sys.argv[1:]) as ctx:
                 cli.invoke(ctx)
         finally:
             sys.stdout.flush()
+            parallel.leave()
     except click.exceptions.Exit as e:  # --help, --version
         sys.exit(e.exit_code)
     except NO_ARGS as e:  # a bare `h2o-mini` or `h2o-mini eval`: the help, as --help shows it

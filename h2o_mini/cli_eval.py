@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import api
+from . import api, parallel
 from .bench import DEFAULT_TEXT
 from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, ListOf, kv_bits_option, model_options
 from .errors import UserError
@@ -65,8 +65,11 @@ def needle_options(f):
 
 
 @click.group(name="eval", short_help="Measure what a policy costs in quality.")
-def eval_():
+@click.pass_context
+def eval_(ctx):
     """Measure what a policy costs in quality: perplexity, lm-eval tasks, needle in a haystack, sweeps."""
+    if ctx.invoked_subcommand and ctx.invoked_subcommand != "ppl":
+        parallel.refuse(f"eval {ctx.invoked_subcommand}")
 
 
 @eval_.command(short_help="Perplexity of a text, every token scored through the evicting cache.", epilog="""\b
@@ -84,7 +87,7 @@ def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tok
     --budget is taken of --tokens."""
     policy, budget = _one(policies, "--policy", "ppl") or "full", _one(budgets, "--budget", "ppl")
     text = read_text(text_path)
-    lm = api.load(model, dtype, device)
+    lm = api.load(model, dtype, device, parallel.from_env(device))
     compile = device.startswith("cuda") if compile is None else compile
     result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile,
                             progress=not as_json, kv_bits=kv_bits)

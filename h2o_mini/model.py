@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import Config, rope_inv_freq
+from .parallel import Shard, all_reduce
 
 _ACTS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -47,9 +48,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, shard: Shard | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shard = cfg, shard  # under tensor parallel: this rank's heads only (parallel.py)
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_head * hd, bias=cfg.attn_bias)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
@@ -68,7 +69,7 @@ class Attention(nn.Module):
             out = causal_attention(q, k, v, pos)
         else:
             out = cache.attend(q, k, v, pos, mode)  # (B, n_head, T, hd): this layer's `cache.LayerCache`
-        return self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
+        return all_reduce(self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim)), self.shard)
 
 
 def causal_attention(q, k, v, pos) -> torch.Tensor:
@@ -81,8 +82,9 @@ def causal_attention(q, k, v, pos) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, shard: Shard | None = None):
         super().__init__()
+        self.shard = shard
         self.act = _ACTS[cfg.act]
         self.gated = cfg.gated_mlp
         self.w_up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
@@ -91,16 +93,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # SwiGLU (Shazeer, 2020)
-            return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
-        return self.w_down(self.act(self.w_up(x)))
+            h = self.act(self.w_gate(x)) * self.w_up(x)
+        else:
+            h = self.act(self.w_up(x))
+        return all_reduce(self.w_down(h), self.shard)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, shard: Shard | None = None):
         super().__init__()
         self.cfg = cfg
-        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
-        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg, shard)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg, shard)
 
     def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
         def attn(h):
@@ -116,15 +120,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, shard: Shard | None = None):
+        """shard: this rank's place under tensor parallelism (`parallel.py`); then `cfg` is its local slice."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shard = cfg, shard
         d_embed = cfg.d_embed or cfg.d_model
         self.tok_emb = nn.Embedding(cfg.vocab_size, d_embed)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.learned_pos else None
         self.proj_in = nn.Linear(d_embed, cfg.d_model, bias=False) if d_embed != cfg.d_model else None
         self.proj_out = nn.Linear(cfg.d_model, d_embed, bias=False) if d_embed != cfg.d_model else None
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, shard) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg) if cfg.final_norm else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d_embed, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg) if cfg.rotary_dim else None, persistent=False)

@@ -88,3 +88,29 @@ def save_heatmaps(panels: dict[str, dict[tuple[float, int], float]], out: Path, 
     bar = fig.colorbar(image, cax=fig.add_axes((0.93, 0.15, 0.012, 0.7)))
     bar.ax.set_title("found", fontsize=8)
     save(plt, fig, out, tight=False)
+
+
+def save_bench_plot(rows: list[dict], out: Path, title: str) -> None:
+    """`bench --plot`: decode tokens/s, KV-cache bytes and peak memory against prompt tokens, one line per
+    policy and budget (and batch, and KV bits, where those vary)."""
+    vary = [k for k in ("batch", "kv_bits") if len({r[k] for r in rows}) > 1]
+    lines: dict[str, list[dict]] = {}
+    for r in rows:
+        label = " ".join([r["policy"]] + ([f"{r['budget']}"] if r["budget"] is not None else [])
+                         + [f"{k}={r[k]}" for k in vary])
+        lines.setdefault(label, []).append(r)
+    panels = [("decode_tok_s", "decode tokens/s", 1), ("kv_bytes", "KV cache (MB)", 1e6),
+              ("peak_mem_bytes", "peak memory (MB)", 1e6)]
+    plt, fig, axes = figure(len(panels), (4.2, 3.6))
+    for ax, (key, name, unit) in zip(axes, panels):
+        for label, points in lines.items():
+            points = sorted((p["prompt_tokens"], p[key] / unit) for p in points if p[key] is not None)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(name)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    save(plt, fig, out)

@@ -2,6 +2,7 @@
 and real English text (GPL-3) as bytes, which is what the tiny models' 256-token vocabulary reads."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,10 @@ import torch
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 VOCAB = 256
+# docs/gpu/run.sh runs the parity tests on a GPU: every tensor a test makes lands there, models are loaded there
+TEST_DEVICE = os.environ.get("H2O_MINI_TEST_DEVICE", "cpu")
+if TEST_DEVICE != "cpu":  # (a default-device mode costs every op a little, so only when asked)
+    torch.set_default_device(TEST_DEVICE)
 
 
 def text_bytes(n: int, offset: int = 0) -> list[int]:
@@ -84,7 +89,7 @@ def tiny_model(tiny):
 
     def get(name: str):
         if name not in models:
-            models[name] = load_hf(tiny(name)[0])
+            models[name] = load_hf(tiny(name)[0], device=TEST_DEVICE)
         return models[name]
     return get
 

@@ -23,9 +23,9 @@ def _policy(name, recent):
     return make_policy(name, None if name == "full" else C, T, recent)
 
 
-def _run(model, ids, policy, plan, kv_bits=None):
+def _run(model, ids, policy, plan, kv_bits=None, dense_block=512):
     """Teacher-forced logits through KVCache. plan: list of (start, end, mode) covering the text."""
-    cache = KVCache(model.cfg, policy, 1, len(ids), kv_bits=kv_bits)
+    cache = KVCache(model.cfg, policy, 1, len(ids), kv_bits=kv_bits, dense_block=dense_block)
     x = torch.tensor([ids])
     out = [model(x[:, s:e], torch.arange(s, e)[None], cache, mode=m) for s, e, m in plan]
     return torch.cat(out, 1)[0]
@@ -62,10 +62,11 @@ def test_stream_prefill_matches_reference(tiny_model, family, name, recent, chun
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name,recent", CASES)
-def test_dense_prefill_then_decode_matches_reference(tiny_model, family, name, recent):
+@pytest.mark.parametrize("block", [512, 7])  # the prompt in one query block, and in causal blocks of 7
+def test_dense_prefill_then_decode_matches_reference(tiny_model, family, name, recent, block):
     model, policy, n = tiny_model(family), _policy(name, recent), 30  # a prompt longer than C
     want = reference_logits(model, IDS, policy, dense_prompt=n)
-    got = _run(model, IDS, policy, [(0, n, "dense")] + [(t, t + 1, "step") for t in range(n, T)])
+    got = _run(model, IDS, policy, [(0, n, "dense")] + [(t, t + 1, "step") for t in range(n, T)], dense_block=block)
     assert _close(got, want)
 
 

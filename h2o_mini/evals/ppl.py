@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from ..generate import Decoder, left_pad
 from ..model import Transformer
+from ..parallel import kv_bytes
 from ..policies import Policy
 
 
@@ -45,7 +46,7 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
     nll = -lp.gather(1, x[0, 1:, None]).mean().item()
     out = {"policy": policy.name, "params": _params(policy), "capacity": min(policy.capacity or T, T),
            "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3),
-           "kv_bits": decoder.stored_bits, "kv_bytes": decoder.cache_bytes(policy, 1, T)}
+           "kv_bits": decoder.stored_bits, **kv_bytes(model, decoder.cache_bytes(policy, 1, T))}
     if compare_full:
         out["top1_agree_full"] = (lp.argmax(-1) == reference.argmax(-1)).float().mean().item()
         out["kl_full"] = (reference.exp() * (reference - lp)).sum(-1).mean().item()

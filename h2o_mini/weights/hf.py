@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import Config, rope_inv_freq
 from ..errors import UserError
 from ..model import Transformer
+from ..parallel import Shard
 
 # (checkpoint-name regex, model-name template) per family; "model." prefixes are optional in the wild.
 _LAYER = r"(?:model\.)?{}\.(\d+)\."
@@ -89,65 +91,70 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors = {}
+def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the files, one at a time (a rank keeps only its shard of each)."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    # NaN/inf weights would only show up later as empty or NaN output
+                    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                        raise UserError(f"tensor {name} in the checkpoint holds NaN or infinite values")
+                    yield name, tensor
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
-    for name, tensor in tensors.items():  # NaN/inf weights would only show up later as empty or NaN output
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise UserError(f"tensor {name} in the checkpoint holds NaN or infinite values")
-    return tensors
 
 
-def rename(cfg: Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> model names, applying the family's quirks. Unknown names are a UserError."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        for pattern, template in NAME_MAPS[cfg.family]:
-            if re.fullmatch(pattern, name):
-                target = re.sub(pattern, template, name)
-                if target in out:
-                    raise UserError(f"checkpoint tensor {name} maps to {target}, which another tensor already filled")
-                out[target] = tensor
-                break
-        else:
-            if not (cfg.family == "gpt_neox" and _BUFFERS.fullmatch(name)):
-                raise UserError(f"unexpected tensor {name} in the checkpoint (not part of a {cfg.family} model)")
-    if "pos_emb.weight" in out:  # OPT reserves rows 0-1 of its position table (HF's offset of 2)
-        out["pos_emb.weight"] = out["pos_emb.weight"][2:]
-    for name in [n for n in out if ".attn.wqkv." in n]:  # NeoX: rows are (head, [q|k|v], head_dim)
-        fused = out.pop(name)
-        if fused.shape[0] != 3 * cfg.n_head * cfg.head_dim:
-            raise UserError(f"tensor {name} has shape {tuple(fused.shape)}, not a fused QKV of this config")
-        per_head = fused.view(cfg.n_head, 3, cfg.head_dim, *fused.shape[1:])
-        for j, part in enumerate("qkv"):
-            out[name.replace("wqkv", f"w{part}")] = per_head[:, j].reshape(-1, *fused.shape[1:])
-    return out
+def rename(cfg: Config, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor -> the model tensors it fills, applying the family's quirks. An unknown name is a
+    UserError; old NeoX buffers fill nothing."""
+    for pattern, template in NAME_MAPS[cfg.family]:
+        if re.fullmatch(pattern, name):
+            target = re.sub(pattern, template, name)
+            break
+    else:
+        if cfg.family == "gpt_neox" and _BUFFERS.fullmatch(name):
+            return []
+        raise UserError(f"unexpected tensor {name} in the checkpoint (not part of a {cfg.family} model)")
+    if target == "pos_emb.weight":  # OPT reserves rows 0-1 of its position table (HF's offset of 2)
+        return [(target, tensor[2:])]
+    if ".attn.wqkv." in target:  # NeoX: rows are (head, [q|k|v], head_dim)
+        if tensor.shape[0] != 3 * cfg.n_head * cfg.head_dim:
+            raise UserError(f"tensor {target} has shape {tuple(tensor.shape)}, not a fused QKV of this config")
+        per_head = tensor.view(cfg.n_head, 3, cfg.head_dim, *tensor.shape[1:])
+        return [(target.replace("wqkv", f"w{part}"), per_head[:, j].reshape(-1, *tensor.shape[1:]))
+                for j, part in enumerate("qkv")]
+    return [(target, tensor)]
 
 
-def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+            shard: Shard | None = None) -> Transformer:
+    """The model in `folder`; with `shard`, only this tensor-parallel rank's slice of it (`parallel.py`)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} {'is a file, not a folder' if folder.exists() else 'does not exist'}")
     cfg = Config.from_hf(folder)
-    weights = rename(cfg, read_tensors(safetensors_files(folder)))
+    local = shard.local_config(cfg) if shard else cfg
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(local, shard)
     expected = {name: p.shape for name, p in model.state_dict().items()}
+    weights = {}
+    for name, tensor in read_tensors(safetensors_files(folder)):
+        for target, t in rename(cfg, name, tensor):
+            if target in weights:
+                raise UserError(f"checkpoint tensor {name} maps to {target}, which another tensor already filled")
+            if target not in expected:
+                raise UserError(f"unexpected tensor {name} in the checkpoint for this config")
+            t = shard.take(target, t) if shard else t
+            if t.shape != expected[target]:
+                raise UserError(f"tensor for {target} has shape {tuple(t.shape)}, expected {tuple(expected[target])}"
+                                + (f" (this rank's 1/{shard.size})" if shard else ""))
+            weights[target] = t.to(device=device, dtype=dtype)
     for name, shape in expected.items():
         if name not in weights:
             raise UserError(f"the checkpoint lacks the tensor for {name} (shape {tuple(shape)})")
-        if weights[name].shape != shape:
-            raise UserError(f"tensor for {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)}")
-    extra = sorted(set(weights) - set(expected))
-    if extra:
-        raise UserError(f"unexpected tensor {extra[0]} in the checkpoint for this config")
-    model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in weights.items()}, assign=True)
+    model.load_state_dict(weights, assign=True)
     if cfg.rotary_dim:
         model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.requires_grad_(False).eval()

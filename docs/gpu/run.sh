@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of h2o-mini in one run (about 10 minutes on one H200), results under OUT
+# (default docs/results/gpu):
+#   (a) the parity tests (eviction against the naive reference, logits against transformers) on CUDA;
+#   (b) the default model in bf16 with the compiled step and CUDA graphs: full vs h2o 0.2, batch 8,
+#       decode rate, KV bytes and peak memory against context (512 .. 8192 tokens), table + plot;
+#   (c) OPT-6.7B-shaped random weights, 2048 + 2048 tokens: full vs h2o 0.2 latency at one batch and
+#       throughput at the largest batch each fits (docs/gpu/opt_random.py).
+# --dry-run: the same steps on CPU with tiny shapes (MODEL=a checkpoint folder; tests/test_bench.py runs it).
+set -euo pipefail
+dry=0
+if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
+out=${1:-docs/results/gpu}
+mkdir -p "$out"
+if [ $dry = 1 ]; then
+  export H2O_MINI_TEST_DEVICE=cpu
+  tests=(-k "decode_step_matches_reference and h2o and llama_gqa_tied")
+  bench=(--model "${MODEL:-default}" --device cpu --dtype float32 --no-compile --batch 2 --new-tokens 4
+         --prompt-tokens 16 --prompt-tokens 32)
+else
+  export H2O_MINI_TEST_DEVICE=cuda
+  tests=()
+  bench=(--model "${MODEL:-default}" --device cuda --dtype bfloat16 --compile --batch 8 --new-tokens 128
+         --prompt-tokens 1024 --prompt-tokens 8064)  # 4 compilations of the whole step
+fi
+python - <<'PY' > "$out/device.txt"
+import torch
+print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+PY
+# (a)
+python -m pytest -q -p no:cacheprovider tests/test_eviction_parity.py tests/test_model_parity.py "${tests[@]}" \
+  2>&1 | tail -n 5 > "$out/parity.txt"
+grep -q " passed" "$out/parity.txt" && ! grep -q "failed\|error" "$out/parity.txt"
+# (b)
+h2o-mini bench "${bench[@]}" --policy full --policy h2o --budget 0.2 --same-prompt --json \
+  --plot "$out/default_bf16.png" > "$out/default_bf16.jsonl"
+# (c)
+python docs/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
+echo "wrote $out"

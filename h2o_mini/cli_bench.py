@@ -1,0 +1,74 @@
+"""`h2o-mini bench`: parse, call `h2o_mini.bench.run_bench`, print each configuration's row as it finishes,
+optionally draw the curves (`--plot`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from . import api, parallel
+from .bench import DEFAULT_TEXT, run_bench, table_header, table_row
+from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, kv_bits_option, model_options
+from .files import check_output, read_text
+from .plot import save_bench_plot
+from .policies import BUDGET_HELP, REGISTRY
+
+
+@click.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
+Examples:
+  h2o-mini bench --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 32
+  h2o-mini bench --policy full --new-tokens 32 --vs-hf            # against transformers generate
+  h2o-mini bench --sweep --policy local --policy h2o --budget 0.1 --budget 0.5 --prompt-tokens 256 --new-tokens 16
+  h2o-mini bench --kv-memory 32MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 32
+  h2o-mini bench --policy full --policy h2o --budget 0.2 --prompt-tokens 256 --prompt-tokens 1024 \\
+      --prompt-tokens 2048 --batch 4 --new-tokens 16 --same-prompt --plot bench.png   # curves against context
+""")
+@model_options
+@click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
+              help="repeat to compare several (default: full)")
+@click.option("--budget", "budgets", multiple=True, type=Budget(), help="repeat to sweep: " + BUDGET_HELP)
+@click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
+@click.option("--batch", "batches", multiple=True, type=click.IntRange(1, 4096), help="repeat for several [default: 1]")
+@click.option("--prompt-tokens", multiple=True, type=click.IntRange(1, COUNT),
+              help="repeat for a curve against context length [default: 512]")
+@click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(2, COUNT))
+@click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
+@click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True, help="prompts are cut from it")
+@click.option("--sweep", is_flag=True, help="every --policy x every --budget in one table (default: the four "
+              "policies x budgets 0.1, 0.2, 0.5)")
+@click.option("--kv-memory", default=None, help="a KV-cache cap (bytes, or 512MB / 2GiB): each policy runs at the "
+              "largest batch whose cache fits")
+@click.option("--max-batch", default=256, show_default=True, type=click.IntRange(1, 4096), help="with --kv-memory")
+@click.option("--vs-hf", is_flag=True, help="also time transformers generate on the same settings (same run)")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1, 100),
+              help="run the configurations interleaved N times; report the median")
+@click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
+@click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda; on "
+              "CPU it does not pay, see docs/benchmarks.md)")
+@kv_bits_option
+@click.option("--plot", "plot_path", default=None, help="draw decode tok/s, KV bytes and peak memory against "
+              "prompt tokens, a line per configuration (.png/.pdf/.svg)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration, as each finishes")
+def bench(model, dtype, device, policies, budgets, recent, batches, prompt_tokens, new_tokens, prefill, text_path,
+          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, plot_path, as_json):
+    """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side; each row is
+    printed as its configuration finishes (a progress bar over the decode steps on a terminal)."""
+    compile = device.startswith("cuda") if compile is None else compile
+    if sweep:
+        policies = policies or ("full", "local", "heavy_hitter", "h2o")
+        budgets = budgets or ("0.1", "0.2", "0.5")
+    if plot_path:
+        check_output(plot_path, IMAGE)
+    read_text(text_path)
+    lm = api.load(model, dtype, device, parallel.from_env(device))
+    rows = []
+    for row in run_bench(lm, policies, budgets, recent, batches or (1,), prompt_tokens or (512,), new_tokens,
+                         prefill, Path(text_path), kv_memory, max_batch, vs_hf, compile, repeat, same_prompt, kv_bits):
+        if not rows and not as_json:  # after every check has passed
+            click.echo(table_header(vs_hf))
+        rows.append(row)
+        click.echo(json.dumps(row) if as_json else table_row(row, vs_hf))
+    if plot_path and not lm.model.shard or plot_path and lm.model.shard.rank == 0:
+        save_bench_plot(rows, Path(plot_path), f"{lm.folder.name}: decoding under eviction")
+        click.echo(f"wrote {plot_path}", err=True)

@@ -5,7 +5,7 @@ tokens/s (batch x generated tokens / decode seconds; the first new token comes f
 cache's bytes, and that configuration's own peak memory: on CUDA the allocator's peak, reset before it; on
 CPU the process's peak resident set (Linux `VmHWM`), reset before it by writing 5 to /proc/self/clear_refs
 after freed memory has been handed back to the system (None where that reset is not possible). Both count
-the weights, the cache and the prefill's temporary tensors. Prompts are slices of a real text. The decode
+the weights, the cache and the prefill's temporary tensors (under tensor parallel: rank 0's). Prompts are slices of a real text. The decode
 step is warmed up (and compiled, if asked) on a scratch cache before timing.
 """
 from __future__ import annotations
@@ -171,7 +171,8 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
     largest batch whose cache fits the cap (how the paper's throughput gain arises). With `repeat` > 1 the
     configurations run interleaved that many times and each row reports the median prefill seconds and decode
     tokens/s (the machine is shared and noisy: side-by-side ratios need it) and the highest peak memory.
-    kv_bits: 8 or 4 quantize keys and values. batches, prompt_tokens: an int or a sequence of them (a curve)."""
+    kv_bits: 8 or 4 quantize keys and values. batches, prompt_tokens: an int or a sequence of them (a curve).
+    `vs_hf`: transformers `generate` runs right after each configuration's run, on the same prompts."""
     batches = (batches,) if isinstance(batches, int) else tuple(dict.fromkeys(batches))
     lengths = (prompt_tokens,) if isinstance(prompt_tokens, int) else tuple(dict.fromkeys(prompt_tokens))
     cap = parse_bytes(kv_memory) if kv_memory else None
@@ -204,25 +205,29 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
             label = f"{policy} budget={budget} batch={b} prompt={n} new={new_tokens}"
             note(f"bench: {label} run {r + 1}/{repeat}")
             prompts = text_prompts(lm, text, b, n)
-            runs[key].append(bench_one(lm.model, decoder, policy, budget, prompts, new_tokens, prefill,
-                                       recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}"))
-            if r < repeat - 1:
-                continue
-            row = _median(runs[key], cap)  # this configuration's last run: its row is ready now
-            if vs_hf:
-                row.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
-                both = row["decode_tok_s"] and row["hf_decode_tok_s"]
-                row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
-            yield row
+            run = bench_one(lm.model, decoder, policy, budget, prompts, new_tokens, prefill,
+                            recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}")
+            if vs_hf:  # transformers right after, on the same prompts: interleaved like the configurations
+                run.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
+            runs[key].append(run)
+            if r == repeat - 1:  # this configuration's last run: its row is ready now
+                yield _median(runs[key], cap, vs_hf)
 
 
-def _median(runs: list[dict], cap: int | None) -> dict:
-    """One configuration's runs as one row: median prefill seconds and decode rate, the highest peak memory,
-    and every run's decode rate."""
-    rates = [x["decode_tok_s"] for x in runs]
-    row = dict(runs[-1], prefill_s=round(statistics.median(x["prefill_s"] for x in runs), 4),
-               decode_tok_s=statistics.median(r or 0.0 for r in rates) if all(rates) else None,
-               decode_tok_s_runs=rates)
+def _median(runs: list[dict], cap: int | None, vs_hf: bool = False) -> dict:
+    """One configuration's runs as one row: median prefill seconds and decode rates (h2o-mini's and, with
+    `vs_hf`, transformers'), the highest peak memory, and every run's decode rate."""
+    def median(key):
+        values = [x[key] for x in runs]
+        return statistics.median(values) if all(v is not None for v in values) else None
+
+    row = dict(runs[-1], prefill_s=round(median("prefill_s"), 4), decode_tok_s=median("decode_tok_s"),
+               decode_tok_s_runs=[x["decode_tok_s"] for x in runs])
+    if vs_hf:
+        row.update(hf_prefill_s=median("hf_prefill_s"), hf_decode_tok_s=median("hf_decode_tok_s"),
+                   hf_decode_tok_s_runs=[x["hf_decode_tok_s"] for x in runs])
+        both = row["decode_tok_s"] and row["hf_decode_tok_s"]
+        row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
     peaks = [x["peak_mem_bytes"] for x in runs]
     row["peak_mem_bytes"] = max(peaks) if all(p is not None for p in peaks) else None
     if cap is not None:

@@ -69,6 +69,6 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
             click.echo(table_header(vs_hf))
         rows.append(row)
         click.echo(json.dumps(row) if as_json else table_row(row, vs_hf))
-    if plot_path and not lm.model.shard or plot_path and lm.model.shard.rank == 0:
+    if plot_path and (lm.model.shard is None or lm.model.shard.rank == 0):  # one picture, from rank 0
         save_bench_plot(rows, Path(plot_path), f"{lm.folder.name}: decoding under eviction")
         click.echo(f"wrote {plot_path}", err=True)

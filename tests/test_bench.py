@@ -68,7 +68,7 @@ def test_curves_over_prompt_tokens_and_batches_and_their_plot(folder, tmp_path):
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [(x["prompt_tokens"], x["batch"], x["policy"]) for x in rows] == [
         (n, b, p) for n in (8, 16) for b in (1, 2) for p in ("full", "h2o")]
-    assert all(x["kv_bytes"] > 0 and x["decode_tok_s"] is None or x["decode_tok_s"] > 0 for x in rows)
+    assert all(x["kv_bytes"] > 0 and (x["decode_tok_s"] is None or x["decode_tok_s"] > 0) for x in rows)
     by = {(x["prompt_tokens"], x["batch"], x["policy"]): x["kv_bytes"] for x in rows}
     assert by[16, 2, "full"] > by[8, 2, "full"] and by[16, 2, "full"] == 2 * by[16, 1, "full"]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

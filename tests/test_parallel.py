@@ -148,3 +148,5 @@ def test_ranks_that_do_not_divide_the_kv_heads_are_refused(folder):
     assert r.stdout == ""
     r = torchrun("eval", "needle", "--model", folder)
     assert r.returncode != 0 and "'eval needle' does not run tensor parallel" in r.stderr
+    r = torchrun("bench", "--model", folder, "--vs-hf")
+    assert r.returncode != 0 and "'bench --vs-hf' does not run tensor parallel" in r.stderr

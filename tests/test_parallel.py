@@ -3,6 +3,7 @@ greedy tokens equal the single-process run's for every registered policy, family
 and compiled. The command line under torchrun: rank 0 alone prints, results equal one process's, a number of
 ranks that does not divide the KV heads is refused."""
 import json
+import os
 import subprocess
 import sys
 
@@ -106,7 +107,7 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(tiny_model, two_ran
 def torchrun(*args, n=2):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                            "-m", "h2o_mini", *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -112,8 +112,10 @@ class LayerCache:
         scored_query = valid & (torch.arange(T, device=q.device) >= first_scored)  # (B, T)
         out = torch.empty_like(q)
         score = policy.insert_score(k)  # (B, H, T)
-        # Query blocks bound the memory of a block's fp32 probabilities (16 MiB; smaller blocks are faster too).
-        rows = max(1, min(self.dense_block, 2**22 // (B * q.shape[1] * T)))
+        # Query blocks bound the memory of a block's fp32 probabilities: 16 MiB on CPU, where smaller blocks are
+        # faster too; 256 MiB on a GPU, where each block is a few kernel launches.
+        budget = 2**22 if q.device.type == "cpu" else 2**26  # fp32 values
+        rows = max(1, min(self.dense_block, budget // (B * q.shape[1] * T)))
         for s in range(0, T, rows):
             e = min(T, s + rows)
             scores = policy.needs_scores and e > first_scored

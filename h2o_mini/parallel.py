@@ -56,7 +56,10 @@ class Shard:
         return tensor
 
     def device(self, device: str) -> str:
-        """`cuda` means this rank's own GPU (torchrun's LOCAL_RANK)."""
+        """`cuda` means this rank's own GPU (torchrun's LOCAL_RANK); naming one GPU for every rank is refused."""
+        if device.startswith("cuda:"):
+            raise UserError(f"under torchrun --device cuda means each rank's own GPU; {device} would put every "
+                            "rank on one")
         if device == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)

@@ -157,3 +157,18 @@ def test_ranks_that_do_not_divide_the_kv_heads_are_refused(folder):
     assert r.returncode != 0 and "'eval needle' does not run tensor parallel" in r.stderr
     r = torchrun("bench", "--model", folder, "--vs-hf")
     assert r.returncode != 0 and "'bench --vs-hf' does not run tensor parallel" in r.stderr
+
+
+def test_a_shard_takes_its_heads_and_its_mlp_columns():
+    from h2o_mini import UserError
+    w = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    one, two = Shard(0, 2), Shard(1, 2)
+    assert torch.equal(two.take("layers.0.attn.wk.weight", w), w[4:])  # rows: the second half of the heads
+    assert torch.equal(two.take("layers.0.attn.wo.weight", w), w[:, 3:])  # columns: what those heads wrote
+    assert torch.equal(two.take("layers.0.mlp.w_down.weight", w), w[:, 3:])
+    bias = torch.ones(6)
+    assert torch.equal(one.take("layers.0.attn.wo.bias", bias), bias)  # added once, after the sum
+    assert torch.equal(two.take("layers.0.attn.wo.bias", bias), torch.zeros(6))
+    assert two.take("norm_f.weight", bias) is bias  # replicated
+    with pytest.raises(UserError, match="each rank's own GPU"):
+        one.device("cuda:1")

@@ -31,9 +31,9 @@ PY
 python -m pytest -q -p no:cacheprovider tests/test_eviction_parity.py tests/test_model_parity.py "${tests[@]}" \
   2>&1 | tail -n 5 > "$out/parity.txt"
 grep -q " passed" "$out/parity.txt" && ! grep -q "failed\|error" "$out/parity.txt"
+# (c) before (b): its eager runs have a known cost, while (b) compiles the whole step four times
+python docs/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
 # (b)
 h2o-mini bench "${bench[@]}" --policy full --policy h2o --budget 0.2 --same-prompt --json \
   --plot "$out/default_bf16.png" > "$out/default_bf16.jsonl"
-# (c)
-python docs/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
 echo "wrote $out"

@@ -5,8 +5,8 @@ tokens/s (batch x generated tokens / decode seconds; the first new token comes f
 cache's bytes, and that configuration's own peak memory: on CUDA the allocator's peak, reset before it; on
 CPU the process's peak resident set (Linux `VmHWM`), reset before it by writing 5 to /proc/self/clear_refs
 after freed memory has been handed back to the system (None where that reset is not possible). Both count
-the weights, the cache and the prefill's temporary tensors (under tensor parallel: rank 0's). Prompts are slices of a real text. The decode
-step is warmed up (and compiled, if asked) on a scratch cache before timing.
+the weights, the cache and the prefill's temporary tensors (under tensor parallel: rank 0's). Prompts are
+slices of a real text. The decode step is warmed up (and compiled, if asked) on a scratch cache before timing.
 """
 from __future__ import annotations
 
@@ -33,11 +33,16 @@ COLUMNS = {"policy": 12, "budget": 6, "capacity": 8, "batch": 5, "prompt_tokens"
            "prefill_s": 9, "decode_tok_s": 12, "kv_bits": 7, "kv_bytes": 11, "peak_mem_bytes": 14}
 
 
-def text_prompts(lm: LM, text: Path, batch: int, prompt_tokens: int) -> list[list[int]]:
-    """`batch` prompts of `prompt_tokens` tokens each, cut from the text at different offsets (wrapping)."""
+def text_ids(lm: LM, text: Path) -> list[int]:
+    """The text's token ids, read once for every configuration's prompts."""
     ids = lm.tokenizer.encode(read_text(text), special=False)
     if len(ids) < 2:
         raise UserError(f"text file {text} is too short")
+    return ids
+
+
+def text_prompts(ids: list[int], batch: int, prompt_tokens: int) -> list[list[int]]:
+    """`batch` prompts of `prompt_tokens` tokens each, cut from the ids at different offsets (wrapping)."""
     while len(ids) < prompt_tokens + 97 * batch:
         ids = ids + ids
     return [ids[97 * b: 97 * b + prompt_tokens] for b in range(batch)]
@@ -198,13 +203,14 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
                 if plan[n, policy, budget, b] < 1:
                     raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")
     param = next(lm.model.parameters())
+    ids = text_ids(lm, text)
     runs = {key: [] for key in plan}
     for r in range(repeat):
         for key, b in plan.items():
             n, policy, budget, _ = key
             label = f"{policy} budget={budget} batch={b} prompt={n} new={new_tokens}"
             note(f"bench: {label} run {r + 1}/{repeat}")
-            prompts = text_prompts(lm, text, b, n)
+            prompts = text_prompts(ids, b, n)
             run = bench_one(lm.model, decoder, policy, budget, prompts, new_tokens, prefill,
                             recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}")
             if vs_hf:  # transformers right after, on the same prompts: interleaved like the configurations

@@ -60,7 +60,7 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
         budgets = budgets or ("0.1", "0.2", "0.5")
     if plot_path:
         check_output(plot_path, IMAGE)
-    if vs_hf and parallel.launched():
+    if vs_hf:
         parallel.refuse("bench --vs-hf")  # transformers would load the whole model on every rank
     read_text(text_path)
     lm = api.load(model, dtype, device, parallel.from_env(device))

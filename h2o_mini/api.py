@@ -48,7 +48,13 @@ def resolve_model(model: str | Path | None) -> Path:
     """'default' or None -> the converted default model (prepared on first use); else the folder itself."""
     if model is None or str(model) == "default":
         return prepare_default_model(log=note)
-    return Path(model)
+    folder = Path(model).expanduser()
+    if not folder.exists():
+        hub = " (a model hub id? nothing is downloaded from hubs)" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) else ""
+        raise UserError(f"--model {model} does not exist as a folder here{hub}: h2o-mini runs offline from a local "
+                        "checkpoint folder (config.json, *.safetensors, tokenizer files), or prepares one by name: "
+                        "default (SmolLM2-135M-Instruct)")
+    return folder
 
 
 def check_device(device: str) -> str:

@@ -22,22 +22,21 @@ import torch
 from tqdm import tqdm
 
 from .api import LM
-from .files import read_text
 from .errors import UserError, note
 from .generate import Decoder, left_pad
 from .parallel import kv_bytes
-from .policies import REGISTRY, make_policy, recent_if_taken
+from .policies import make_policy, recent_if_taken, resolve
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 COLUMNS = {"policy": 12, "budget": 6, "capacity": 8, "batch": 5, "prompt_tokens": 13, "new_tokens": 10,
            "prefill_s": 9, "decode_tok_s": 12, "kv_bits": 7, "kv_bytes": 11, "peak_mem_bytes": 14}
 
 
-def text_ids(lm: LM, text: Path) -> list[int]:
-    """The text's token ids, read once for every configuration's prompts."""
-    ids = lm.tokenizer.encode(read_text(text), special=False)
+def text_ids(lm: LM, text: str) -> list[int]:
+    """The text's token ids, tokenized once for every configuration's prompts."""
+    ids = lm.tokenizer.encode(text, special=False)
     if len(ids) < 2:
-        raise UserError(f"text file {text} is too short")
+        raise UserError("the text is too short (fewer than 2 tokens)")
     return ids
 
 
@@ -81,10 +80,13 @@ def read_peak(device: torch.device, was_reset: bool) -> int | None:
 
 @torch.inference_mode()
 def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[list[int]], new_tokens: int,
-              prefill: str = "dense", recent=None, same_prompt: bool = False, label: str = "") -> dict:
+              prefill: str = "dense", recent=None, same_prompt: bool = False, label: str = "",
+              status: dict | None = None) -> dict:
     """One configuration: every prompt a row. `same_prompt`: the first prompt is prefilled once and its cache
     copied into each row; the decode step does exactly the same work per row as with distinct prompts (static
-    shapes), so decode tokens/s are unchanged while a long-context prefill costs 1/batch of the time."""
+    shapes), so decode tokens/s are unchanged while a long-context prefill costs 1/batch of the time.
+    `status["stage"]` says how far it got (what an interrupt reports)."""
+    status = {} if status is None else status
     device = next(model.parameters()).device
     batch, prompt_tokens = len(prompts), max(len(p) for p in prompts)
     length = prompt_tokens + new_tokens
@@ -92,6 +94,7 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
     idx, pos = left_pad(prompts[:1] * batch if same_prompt else prompts, device=device)
     step_pos = pos[:, -1:] + 1
     token = idx[:, -1:]
+    status["stage"] = "warming up" + (" and compiling" if decoder.compiled else "")
     scratch = decoder.new_cache(policy, batch, length)  # warm-up (and compilation) on the same shapes
     for i in range(3):
         decoder.step(model, scratch, token, step_pos + i)
@@ -99,6 +102,7 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
     was_reset = reset_peak(device)
     _sync(device)
     t0 = time.perf_counter()
+    status["stage"] = f"prefilling {prompt_tokens} tokens x {batch} rows"
     cache = decoder.new_cache(policy, batch, length)
     if same_prompt:
         one = decoder.new_cache(policy, 1, length)
@@ -112,6 +116,7 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
     _sync(device)
     t1 = time.perf_counter()
     for i in tqdm(range(new_tokens - 1), desc=label or policy.name, unit="step", disable=None, leave=False):
+        status["stage"] = f"decode step {i + 1} of {new_tokens - 1}"
         token = decoder.step(model, cache, token, step_pos + i).argmax(-1, keepdim=True)
     _sync(device)
     t2 = time.perf_counter()
@@ -169,27 +174,30 @@ def rate(count: int, seconds: float) -> float | None:
 
 
 def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tokens: int, prefill: str,
-              text: Path, kv_memory: str | None, max_batch: int, vs_hf: bool, compile: bool, repeat: int = 1,
-              same_prompt: bool = False, kv_bits: int | None = None) -> Iterator[dict]:
+              text: str, kv_memory: str | None, max_batch: int, vs_hf: bool, compile: bool, repeat: int = 1,
+              same_prompt: bool = False, kv_bits: int | None = None, status: dict | None = None) -> Iterator[dict]:
     """Every prompt length x batch x policy x budget (full once), one decoder (compiled once) for all; each
     row is yielded as soon as its configuration has finished. With `kv_memory`, each configuration runs at the
     largest batch whose cache fits the cap (how the paper's throughput gain arises). With `repeat` > 1 the
     configurations run interleaved that many times and each row reports the median prefill seconds and decode
     tokens/s (the machine is shared and noisy: side-by-side ratios need it) and the highest peak memory.
     kv_bits: 8 or 4 quantize keys and values. batches, prompt_tokens: an int or a sequence of them (a curve).
-    `vs_hf`: transformers `generate` runs right after each configuration's run, on the same prompts."""
+    `vs_hf`: transformers `generate` runs right after each configuration's run, on the same prompts. text: the
+    prompts' source text. `status`: kept up to date with what runs ("label", "stage"), for an interrupt."""
+    status = {} if status is None else status
     batches = (batches,) if isinstance(batches, int) else tuple(dict.fromkeys(batches))
     lengths = (prompt_tokens,) if isinstance(prompt_tokens, int) else tuple(dict.fromkeys(prompt_tokens))
     cap = parse_bytes(kv_memory) if kv_memory else None
     policies = policies or ("full",)
-    if budgets and all(p == "full" for p in policies):
-        raise UserError("policy 'full' keeps every token: --budget does not apply to it")
-    if recent is not None and not any(REGISTRY[p].takes_recent for p in policies):
+    if budgets and not any(resolve(p).cls.takes_budget for p in policies):
+        raise UserError(f"{', '.join(policies)} keep{'s' if len(policies) == 1 else ''} every token: --budget does "
+                        "not apply")
+    if recent is not None and not any(resolve(p).cls.takes_recent for p in policies):
         raise UserError(f"--recent does not apply to {', '.join(policies)}")
     if cap is not None and len(batches) > 1:
         raise UserError("--kv-memory chooses each configuration's batch: give no --batch with it")
     budgets = budgets or ("0.2",)
-    configs = list(dict.fromkeys((p, None if p == "full" else b) for p in policies for b in budgets))
+    configs = list(dict.fromkeys((p, b if resolve(p).cls.takes_budget else None) for p in policies for b in budgets))
     for n in lengths:
         lm.model.cfg.check_length(n + new_tokens, f"--prompt-tokens {n} + --new-tokens {new_tokens}")
     decoder = Decoder(lm.model, compile=compile, kv_bits=kv_bits)
@@ -210,9 +218,11 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
             n, policy, budget, _ = key
             label = f"{policy} budget={budget} batch={b} prompt={n} new={new_tokens}"
             note(f"bench: {label} run {r + 1}/{repeat}")
+            status.update(label=label, stage="starting")
             prompts = text_prompts(ids, b, n)
             run = bench_one(lm.model, decoder, policy, budget, prompts, new_tokens, prefill,
-                            recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}")
+                            recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}",
+                            status=status)
             if vs_hf:  # transformers right after, on the same prompts: interleaved like the configurations
                 run.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
             runs[key].append(run)

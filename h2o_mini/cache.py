@@ -68,7 +68,8 @@ class LayerCache:
         policy = self.policy
         t = pos[:, :, None]  # (B, 1, 1): every row has a real token here
         keys = self.keys() if policy.needs_keys else None
-        keep = policy.keep_score(self.score, self.pos, t, keys).masked_fill(self.pos < 0, -torch.inf)  # (B, H, C)
+        values = self.codec.decode(self.v) if policy.needs_values else None
+        keep = keep_score(policy, self.score, self.pos, t, keys, values).masked_fill(self.pos < 0, -torch.inf)  # (B, H, C)
         lowest = keep.amin(-1, keepdim=True)
         oldest_of_lowest = torch.where(keep == lowest, self.pos, torch.iinfo(torch.int64).max)
         slot = oldest_of_lowest.argmin(-1, keepdim=True)  # (B, H, 1): the slot token t overwrites
@@ -132,8 +133,8 @@ class LayerCache:
         score = policy.prompt_score(score)
         t_last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last prompt position
         prompt_pos = pos[:, None, :].expand(B, H, T)
-        keys = k if policy.needs_keys else None
-        keep = policy.keep_score(score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, keys)
+        keys, values = (k if policy.needs_keys else None), (v if policy.needs_values else None)
+        keep = keep_score(policy, score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, keys, values)
         keep = keep.masked_fill(~valid[:, None, :], -torch.inf)
         n = min(C, T)
         # the n highest keep-scores, ties to the newest (flip: a stable sort keeps the earlier = newer first)
@@ -169,11 +170,11 @@ class LayerCache:
         logits = logits.view(B, H, g, K, C + K)
         probs = torch.empty_like(logits)  # (B, H, g, K, C+K)
         slots = torch.arange(C + K, device=q.device)
-        keys = vk if self.policy.needs_keys else None
+        keys, values = (vk if self.policy.needs_keys else None), (vv if self.policy.needs_values else None)
         for i in range(K):
             t, ok = pos[:, i, None, None], pos[:, i, None, None] >= 0  # (B, 1, 1); padding: ok is False
             vscore, alive, member, probs[:, :, :, i] = self.token_fn(self.policy, vscore, vpos, alive, member,
-                                                                     logits[:, :, :, i], t, ok, slots, keys)
+                                                                     logits[:, :, :, i], t, ok, slots, keys, values)
         out = probs.to(vv.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
         # Exactly C virtual slots are still members (one left for each one that came in): compact them.
         kept = (~member).to(torch.uint8).argsort(dim=-1, stable=True)[..., :C]  # (B, H, C), position order
@@ -186,18 +187,25 @@ class LayerCache:
         return out.view(B, n_head, K, D)
 
 
-def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots, keys):
+def keep_score(policy: Policy, score, pos, t, keys, values) -> torch.Tensor:
+    """The policy's keep-scores; the cached values are passed only to a policy that reads them."""
+    if policy.needs_values:
+        return policy.keep_score(score, pos, t, keys, values=values)
+    return policy.keep_score(score, pos, t, keys)
+
+
+def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots, keys, values=None):
     """Steps 1-4 of the rule for the token at position t, over the virtual slots of `LayerCache._stream`.
 
     score, pos: (B, H, S) fp32 / int64; alive (attendable) and member (in the cache, empty or not): (B, H, S)
     bool; logits: (B, H, g, S) this token's fp32 attention logits; t, ok: (B, 1, 1) its position and whether
-    it is a real token (padding evicts, inserts and scores nothing); slots: arange(S); keys: (B, H, S, hd)
-    or None. Element-wise masks only (no indexing by t), so torch.compile fuses it into one kernel.
+    it is a real token (padding evicts, inserts and scores nothing); slots: arange(S); keys, values:
+    (B, H, S, hd) or None. Element-wise masks only (no indexing by t), so torch.compile fuses it into one kernel.
     """
     # A rule across slots (KeyDiff's mean key) must see which slots are cached; element-wise rules need not
     # (the masks below override the keep-score of every other slot), so they are spared the op.
-    seen = pos.masked_fill(~alive, -1) if policy.needs_keys else pos
-    keep = policy.keep_score(score, seen, t, keys).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
+    seen = pos.masked_fill(~alive, -1) if policy.needs_keys or policy.needs_values or policy.across_slots else pos
+    keep = keep_score(policy, score, seen, t, keys, values).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
     victim = (slots == keep.argmin(-1, keepdim=True)) & ok  # an empty slot while the cache is filling
     arrive = (pos == t) & ok
     member = member & ~victim | arrive
@@ -221,8 +229,8 @@ class KVCache:
         device = torch.get_default_device() if device is None else device
         self.policy, self.length = policy, length
         self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it
-        self.layers = [LayerCache(cfg, policy, batch, policy.layer_capacity(i, cfg.n_layer, length), dtype, device,
-                                  dense_block, token_fn, kv_bits) for i in range(cfg.n_layer)]
+        self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), batch, policy.layer_capacity(i, cfg.n_layer,
+                                  length), dtype, device, dense_block, token_fn, kv_bits) for i in range(cfg.n_layer)]
         self.kv_bits = self.layers[0].codec.bits
 
     @property

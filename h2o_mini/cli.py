@@ -7,12 +7,13 @@ import os
 import signal
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import click
 
 from . import api, parallel
-from .errors import UserError
+from .errors import UserError, out_of_memory
 from .files import check_output, read_text
 from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
@@ -20,17 +21,19 @@ from .bench import DEFAULT_TEXT
 from .cli_bench import bench
 from .cli_eval import eval_
 from .cli_sweep import sweep
-from .cli_options import (COUNT, IMAGE, RECENT_HELP, Budget, Finite, ListOf, kv_bits_option, model_options,
-                          policy_options)
-from .policies import BUDGET_HELP, REGISTRY, describe, recent_if_taken
+from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
+                          model_options, policy_options)
+from .policies import BUDGET_HELP, REGISTRY, describe, recent_if_taken, resolve
+from .policies.plugins import PluginError, installed
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="h2o-mini")
+@click.option("--debug", is_flag=True, help="show the full traceback of a plugin policy that failed to load")
 @click.pass_context
-def cli(ctx):
+def cli(ctx, debug):
     """h2o-mini: H2O (Heavy-Hitter Oracle) KV-cache eviction, small and exact, in pure PyTorch.
 
     Tensor parallel: torchrun --nproc-per-node N -m h2o_mini generate|eval ppl|bench ... (each rank holds and
@@ -47,12 +50,19 @@ def prepare():
 
 @cli.command(short_help="List the eviction policies, their rules and parameters.")
 def policies():
-    """List the registered eviction policies: the rule each applies, its parameters, and what --budget 64
-    (and --recent, where it applies) makes of them."""
-    for name, cls in REGISTRY.items():
+    """List the eviction policies, built in and installed (entry-point group h2o_mini.policies): where each
+    comes from, the rule it applies, its parameters, and what --budget 64 (and --recent, where it applies)
+    makes of them. A policy in a file is used as --policy path/to/file.py:ClassName."""
+    for name in [*REGISTRY, *installed()]:
+        try:
+            spec = resolve(name)
+        except PluginError as e:  # one broken plugin does not hide the others
+            click.echo(f"{name} (installed, fails to load)\n  {e}\n")
+            continue
+        cls = spec.cls
         rule = textwrap.fill(describe(cls), 100, initial_indent="  ", subsequent_indent="  ")
-        example = "takes no --budget" if name == "full" else f"--budget 64 -> {api.as_policy(name, '64', 64)}"
-        click.echo(f"{name}\n{rule}\n  {example}{'; --recent splits C' if cls.takes_recent else ''}\n")
+        example = "takes no --budget" if not cls.takes_budget else f"--budget 64 -> {api.as_policy(name, '64', 64)}"
+        click.echo(f"{name} ({spec.origin})\n{rule}\n  {example}{'; --recent splits C' if cls.takes_recent else ''}\n")
 
 
 @cli.command(short_help="Generate text under an eviction policy.", epilog="""\b
@@ -130,8 +140,8 @@ Example:
   h2o-mini plot kept --policy local --policy heavy_hitter --policy h2o --budget 64 --tokens 256 --out kept.png
 """)
 @model_options
-@click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)), help="repeat for panels "
-              "(default: local, heavy_hitter, h2o)")
+@click.option("--policy", "policies", multiple=True, type=PolicyType(), help="repeat for panels (default: local, "
+              "heavy_hitter, h2o): " + POLICY_HELP)
 @click.option("--budget", default="64", show_default=True, type=Budget(), help=f"C: {BUDGET_HELP} of --tokens")
 @click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
 @click.option("--text", "text_path", default=str(DEFAULT_TEXT), show_default=True)
@@ -147,10 +157,11 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
     lm = api.load(model, dtype, device)
     ids = api.scored_ids(lm, text, tokens)
     names = policies or ("local", "heavy_hitter", "h2o")
-    chosen = [api.as_policy(n, None if n == "full" else budget, tokens, recent_if_taken(n, recent)) for n in names]
+    chosen = [api.as_policy(n, budget if resolve(n).cls.takes_budget else None, tokens, recent_if_taken(n, recent))
+              for n in names]
     matrices = {}
     for name, policy in zip(names, chosen):
-        label = f"{name} ({', '.join(f'{k}={v}' for k, v in vars(policy).items()) or 'all'})"
+        label = f"{resolve(name).name} ({', '.join(f'{k}={v}' for k, v in policy.params().items()) or 'all'})"
         matrices[label] = kept_matrix(lm, ids, policy, layer, head)
     save_kept_plot(matrices, Path(out), f"{lm.folder.name}: tokens kept, layer {layer}, KV head {head}")
     click.echo(out)
@@ -199,6 +210,10 @@ def main() -> None:
     """Entry point: any bad input becomes one line on stderr and a non-zero exit, never a traceback.
     Ctrl-C (or SIGTERM) prints what was finished, then exits 130."""
     signal.signal(signal.SIGTERM, _terminate)
+    debug = "--debug" in sys.argv[1:2]  # the group's own option, before the command
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets an escape, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parallel.quiet_other_ranks()
     try:
         try:  # click's own main would turn Ctrl-C into a bare "Aborted!"
@@ -213,13 +228,20 @@ def main() -> None:
         click.echo(e.ctx.get_help())
         sys.exit(0)
     except UserError as e:
-        _fail(f"h2o-mini: error: {e}", 2)
+        if debug and getattr(e, "cause", None) is not None:  # a plugin's own traceback, asked for
+            traceback.print_exception(e.cause)
+        _fail(f"h2o-mini: error: {e}{' (--debug shows the traceback)' if getattr(e, 'cause', None) and not debug else ''}", 2)
     except click.exceptions.Abort:
         _fail("h2o-mini: aborted", 130)
     except click.ClickException as e:
         _fail(f"h2o-mini: error: {e.format_message()}", e.exit_code)
     except KeyboardInterrupt:
         _fail("h2o-mini: interrupted", 130)
+    except (MemoryError, RuntimeError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError on CUDA)
+        message = out_of_memory(e, " ".join(a for a in sys.argv[1:3] if not a.startswith("-")))
+        if message is None:
+            raise
+        _fail(f"h2o-mini: error: {message}", 1)
     except OSError as e:  # stdout on a full disk or a closed pipe
         if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT):
             raise

@@ -9,10 +9,11 @@ import click
 
 from . import api, parallel
 from .bench import DEFAULT_TEXT, run_bench, table_header, table_row
-from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, kv_bits_option, model_options
+from .cli_options import COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
+from .errors import note
 from .files import check_output, read_text
 from .plot import save_bench_plot
-from .policies import BUDGET_HELP, REGISTRY
+from .policies import BUDGET_HELP
 
 
 @click.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
@@ -25,8 +26,8 @@ Examples:
       --prompt-tokens 2048 --batch 4 --new-tokens 16 --same-prompt --plot bench.png   # curves against context
 """)
 @model_options
-@click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
-              help="repeat to compare several (default: full)")
+@click.option("--policy", "policies", multiple=True, type=PolicyType(), help="repeat to compare several (default: "
+              "full): " + POLICY_HELP)
 @click.option("--budget", "budgets", multiple=True, type=Budget(), help="repeat to sweep: " + BUDGET_HELP)
 @click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
 @click.option("--batch", "batches", multiple=True, type=click.IntRange(1, 4096), help="repeat for several [default: 1]")
@@ -62,15 +63,22 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
         check_output(plot_path, IMAGE)
     if vs_hf:
         parallel.refuse("bench --vs-hf")  # transformers would load the whole model on every rank
-    read_text(text_path)
+    text = read_text(text_path)
     lm = api.load(model, dtype, device, parallel.from_env(device))
-    rows = []
-    for row in run_bench(lm, policies, budgets, recent, batches or (1,), prompt_tokens or (512,), new_tokens,
-                         prefill, Path(text_path), kv_memory, max_batch, vs_hf, compile, repeat, same_prompt, kv_bits):
-        if not rows and not as_json:  # after every check has passed
-            click.echo(table_header(vs_hf))
-        rows.append(row)
-        click.echo(json.dumps(row) if as_json else table_row(row, vs_hf))
+    rows, status = [], {}
+    try:
+        for row in run_bench(lm, policies, budgets, recent, batches or (1,), prompt_tokens or (512,), new_tokens,
+                             prefill, text, kv_memory, max_batch, vs_hf, compile, repeat, same_prompt, kv_bits,
+                             status):
+            if not rows and not as_json:  # after every check has passed
+                click.echo(table_header(vs_hf))
+            rows.append(row)
+            click.echo(json.dumps(row) if as_json else table_row(row, vs_hf))
+    except KeyboardInterrupt:
+        if not rows and status:  # nothing to show: say what was running and how far it got
+            note(f"h2o-mini: interrupted before any configuration finished; running {status['label']}: "
+                 f"{status['stage']}")
+        raise
     if plot_path and (lm.model.shard is None or lm.model.shard.rank == 0):  # one picture, from rank 0
         save_bench_plot(rows, Path(plot_path), f"{lm.folder.name}: decoding under eviction")
         click.echo(f"wrote {plot_path}", err=True)

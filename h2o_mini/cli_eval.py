@@ -9,25 +9,33 @@ import click
 
 from . import api, parallel
 from .bench import DEFAULT_TEXT
-from .cli_options import COUNT, IMAGE, RECENT_HELP, Budget, ListOf, kv_bits_option, model_options
+from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
+                          model_options)
 from .errors import UserError
 from .files import check_output, read_text, write_atomic
-from .policies import BUDGET_HELP, REGISTRY, recent_if_taken
+from .policies import BUDGET_HELP, recent_if_taken, resolve
+
+
+def repeatable_policies(f, one: str | None = None):
+    """--policy, --budget (repeatable), --recent, --kv-bits. one: the command that takes a single policy and
+    budget (a second value is refused with a pointer to 'eval sweep', never silently dropped)."""
+    many = "repeatable: " if one is None else f"one (to compare several: 'h2o-mini eval sweep {one}'): "
+    f = kv_bits_option(f)
+    f = click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)(f)
+    f = click.option("--budget", "budgets", multiple=True, type=Budget(), help=many + BUDGET_HELP)(f)
+    return click.option("--policy", "policies", multiple=True, type=PolicyType(), help=many + POLICY_HELP +
+                        ("" if one is None else " [default: full]"))(f)
+
+
+def one_policy(command: str):
+    return lambda f: repeatable_policies(f, one=command)
 
 
 def _one(values: tuple, flag: str, command: str):
-    """A single value of an option that `eval sweep` repeats: a second one is refused, not dropped."""
+    """The single value of an option that `eval sweep` repeats: a second one is refused, not dropped."""
     if len(values) > 1:
         raise UserError(f"eval {command} runs one {flag}; give several to 'h2o-mini eval sweep {command}'")
     return values[0] if values else None
-
-
-def repeatable_policies(f):
-    f = kv_bits_option(f)
-    f = click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)(f)
-    f = click.option("--budget", "budgets", multiple=True, type=Budget(), help=f"repeatable: {BUDGET_HELP}")(f)
-    return click.option("--policy", "policies", multiple=True, type=click.Choice(list(REGISTRY)),
-                        help="repeatable; see 'h2o-mini policies'")(f)
 
 
 def ppl_options(f):
@@ -37,7 +45,7 @@ def ppl_options(f):
                      help="stream chunk size")(f)
     f = click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")(f)
     f = click.option("--tokens", required=True, type=click.IntRange(2, COUNT), help="score the first N tokens")(f)
-    return click.option("--text", "text_path", required=True, help="a UTF-8 text file")(f)
+    return click.option("--text", "text_path", required=True, help="a UTF-8 text file, or - for standard input")(f)
 
 
 def tasks_options(f):
@@ -78,13 +86,13 @@ Examples:
   h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy h2o --budget 0.2 --compare-full --json
 """)
 @model_options
-@repeatable_policies
+@one_policy("ppl")
 @ppl_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tokens, compare_full, chunk, compile,
         as_json):
-    """Mean next-token NLL (nats) and perplexity of a text, every token scored in stream mode. A fractional
-    --budget is taken of --tokens."""
+    """Mean next-token NLL (nats) and perplexity of a text (a file, or - for standard input), every token scored
+    in stream mode, under one policy (several: 'eval sweep ppl'). A fractional --budget is taken of --tokens."""
     policy, budget = _one(policies, "--policy", "ppl") or "full", _one(budgets, "--budget", "ppl")
     text = read_text(text_path)
     lm = api.load(model, dtype, device, parallel.from_env(device))
@@ -116,7 +124,8 @@ def task_result(results: dict, model: str, policy: str, budget) -> dict:
     first = next(iter(per_task.values()), {})
     main = next((k for k in ("acc,none", "exact_match,none", "word_perplexity,none") if k in first),
                 next((k for k, v in first.items() if isinstance(v, float) and "stderr" not in k), None))
-    return {"results": per_task, "policy": policy, "budget": budget, "model": model,
+    return {"results": per_task, "policy": policy, "params": dict(resolve(policy).given), "budget": budget,
+            "model": model,
             "metric": main, "score": first.get(main), **results["kv"]}
 
 
@@ -127,14 +136,15 @@ Examples:
   h2o-mini eval tasks --tasks my_task --include-path ./my_tasks --policy local --budget 64 --output out.json
 """)
 @model_options
-@repeatable_policies
+@one_policy("tasks")
 @tasks_options
 @click.option("--output", default=None, help="also write the JSON object to this .json file")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (lm-eval's results and the policy)")
 def tasks(model, dtype, device, policies, budgets, recent, kv_bits, tasks, include_path, num_fewshot, limit,
           batch_size, prefill, output, as_json):
-    """Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) with h2o-mini under a policy. A fractional
-    --budget is taken of each request's own length. The shipped task gpl_next_sentence works offline."""
+    """Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) with h2o-mini under one policy (several: 'eval
+    sweep tasks'). A fractional --budget is taken of each request's own length. The shipped task
+    gpl_next_sentence works offline."""
     policy, budget = _one(policies, "--policy", "tasks") or "full", _one(budgets, "--budget", "tasks")
     harness = _harness()
     if output:

@@ -6,7 +6,8 @@ import math
 
 import click
 
-from .policies import BUDGET_HELP, REGISTRY, parse_budget
+from .errors import UserError
+from .policies import BUDGET_HELP, parse_budget, resolve, takes_recent_names
 
 COUNT = 2**31  # the largest count any option takes (tokens, steps)
 IMAGE = (".png", ".pdf", ".svg")
@@ -35,6 +36,24 @@ class Budget(click.ParamType):
             return value
         parse_budget(value, self.what)
         return value
+
+
+class PolicyType(click.ParamType):
+    """A `--policy` spec (`h2o`, `a2sf:gamma=0.9`, `path/to/file.py:Class`, `pkg.mod:Class`, an installed name),
+    resolved at parse time so that a bad one fails before any model is loaded; kept as its text."""
+
+    name = "policy"
+
+    def convert(self, value, param, ctx):
+        try:
+            resolve(value)
+        except UserError:
+            raise  # one line, exit 2 (a plugin's own traceback: --debug)
+        return str(value).strip()
+
+
+POLICY_HELP = ("a name from 'h2o-mini policies', path/to/file.py:Class or package.module:Class, each optionally "
+               "with parameters: h2o:heavy=8,recent=24")
 
 
 class ListOf(click.ParamType):
@@ -71,14 +90,13 @@ def kv_bits_option(f):
                         "scale and zero; default: the model's dtype)")(f)
 
 
-RECENT_HELP = ("the protected recent window of C, for h2o, scissorhands, sinks and snapkv/pyramidkv (their "
-               "observation window): a fraction of C or a token count (default: half; sinks: all but 4; snapkv: "
-               "min(32, half))")
+RECENT_HELP = (f"the protected recent share of C, for {', '.join(takes_recent_names())} (and plugins that take it; "
+               "snapkv/pyramidkv: their observation window): a fraction of C or a token count (default: each policy's "
+               "own, see 'h2o-mini policies')")
 
 
 def policy_options(f):
     f = click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)(f)
     f = click.option("--budget", default=None, type=Budget(), help=f"KV budget C: {BUDGET_HELP}")(f)
-    f = click.option("--policy", default="full", show_default=True, type=click.Choice(list(REGISTRY)),
-                     help="see 'h2o-mini policies'")(f)
+    f = click.option("--policy", default="full", show_default=True, type=PolicyType(), help=POLICY_HELP)(f)
     return f

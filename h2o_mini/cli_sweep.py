@@ -3,6 +3,7 @@
 --plot FILE.png. Parse, call `h2o_mini.evals.sweep`, print."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import click
 from . import api
 from .cli_eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
 from .cli_options import IMAGE, model_options
-from .evals.sweep import points, run_sweep, save_sweep_plot, table
+from .evals.sweep import check_budget_kinds, points, run_sweep, save_sweep_plot, table
 from .files import check_output, read_text
 from .policies import recent_if_taken
 
@@ -24,12 +25,19 @@ def sweep_options(f):
     return repeatable_policies(model_options(f))
 
 
-def _sweep(kind: str, policies, budgets, out, plot_path, as_json, model_name: str, run_point) -> None:
-    if plot_path:
-        check_output(plot_path, IMAGE)
+def settings(lm, dtype: str, kv_bits, recent, text: str | None = None, **more) -> dict:
+    """Everything besides (policy, budget) that changes a sweep's numbers: a row is reused only when these are
+    equal. The text by its SHA-256 (a path could hold another text tomorrow), the model by its folder."""
+    out = {"model": str(lm.folder.resolve()), "dtype": dtype, "kv_bits": kv_bits, "recent": recent}
+    if text is not None:
+        out["text_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return {**out, **more}
+
+
+def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, run_point, setup: dict) -> None:
     results = {}
     for point, rows in run_sweep(kind, points(policies, budgets), run_point, Path(out) if out else None,
-                                 progress=not as_json):
+                                 setup, progress=not as_json):
         results[point] = rows
         if as_json:
             for row in rows:
@@ -37,7 +45,14 @@ def _sweep(kind: str, policies, budgets, out, plot_path, as_json, model_name: st
     if not as_json:
         click.echo(table(kind, results))
     if plot_path:
-        save_sweep_plot(kind, results, Path(plot_path), f"{model_name}: {kind} under eviction")
+        save_sweep_plot(kind, results, Path(plot_path), title)
+
+
+def check_plot(plot_path, budgets) -> None:
+    """Before any model is loaded: the plot's file name, and one kind of budget on its x axis."""
+    if plot_path:
+        check_output(plot_path, IMAGE)
+        check_budget_kinds(budgets)
 
 
 @click.group(short_help="Every policy at every budget: one table, one plot.")
@@ -56,6 +71,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
               compare_full, chunk, compile):
     """eval ppl (with --compare-full always on; full's pass is made once) at every point."""
     from .evals.ppl import full_logprobs
+    check_plot(plot_path, budgets)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     compile = device.startswith("cuda") if compile is None else compile
@@ -66,7 +82,9 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
             reference.append(full_logprobs(lm.model, api.scored_ids(lm, text, tokens)))
         return [api.perplexity(lm, text, tokens, p, b, recent_if_taken(p, recent), True, chunk, compile, reference[0],
                                progress=False, kv_bits=kv_bits)]
-    _sweep("ppl", policies, budgets, out, plot_path, as_json, lm.folder.name, point)
+    title = f"{lm.folder.name}: perplexity under eviction, {tokens} tokens of {Path(text_path).name}"
+    _sweep("ppl", policies, budgets, out, plot_path, as_json, title, point,
+           settings(lm, dtype, kv_bits, recent, text, tokens=tokens))
 
 
 @sweep.command(name="needle", short_help="Needle in a haystack at every point.", epilog="""\b
@@ -79,11 +97,14 @@ def sweep_needle(model, dtype, device, policies, budgets, recent, kv_bits, out, 
                  lengths, depths, seeds, prefill, chat):
     """eval needle at every point; a point's score is the share of its cells where the needle was found."""
     from .evals.needle import run_needle
+    check_plot(plot_path, budgets)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
-    _sweep("needle", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: list(run_needle(
+    title = f"{lm.folder.name}: needle in {Path(text_path).name}, {','.join(map(str, lengths))} tokens"
+    _sweep("needle", policies, budgets, out, plot_path, as_json, title, lambda p, b: list(run_needle(
         lm, text, lengths, depths, seeds, [(p, b, recent_if_taken(p, recent))], prefill, chat, progress=False,
-        kv_bits=kv_bits)))
+        kv_bits=kv_bits)), settings(lm, dtype, kv_bits, recent, text, lengths=lengths, depths=depths, seeds=seeds,
+                                    prefill=prefill, chat=chat))
 
 
 @sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
@@ -96,8 +117,13 @@ def sweep_tasks(model, dtype, device, policies, budgets, recent, kv_bits, out, p
                 include_path, num_fewshot, limit, batch_size, prefill):
     """eval tasks at every point; a point's score is the first task's main metric (acc where it has one)."""
     harness = _harness()
+    check_plot(plot_path, budgets)
     lm = api.load(model, dtype, device)
-    _sweep("tasks", policies, budgets, out, plot_path, as_json, lm.folder.name, lambda p, b: [task_result(
+    title = f"{lm.folder.name}: {','.join(tasks)} under eviction"
+    include = str(Path(include_path).resolve()) if include_path else None
+    _sweep("tasks", policies, budgets, out, plot_path, as_json, title, lambda p, b: [task_result(
         harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, p, b, recent_if_taken(p, recent),
-                          prefill, progress=False, kv_bits=kv_bits), str(model), p, b)])
+                          prefill, progress=False, kv_bits=kv_bits), str(model), p, b)],
+           settings(lm, dtype, kv_bits, recent, tasks=tasks, include_path=include, num_fewshot=num_fewshot,
+                    limit=limit, prefill=prefill))
 

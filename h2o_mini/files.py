@@ -8,6 +8,7 @@ are not created: a typo in `--out` is an error, not a new folder tree.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,14 +17,24 @@ from .errors import UserError
 
 
 def read_text(path: str | Path, what: str = "text file") -> str:
-    """A UTF-8 text file's contents, or a one-line UserError."""
-    path = Path(path)
+    """A UTF-8 text file's contents (a leading byte-order mark dropped), or a one-line UserError. "-" reads
+    standard input, as Unix tools do."""
+    if str(path) == "-":
+        try:
+            data = sys.stdin.buffer.read()
+        except (OSError, AttributeError, ValueError) as e:
+            raise UserError(f"cannot read {what} from standard input: {e}") from None
+        try:
+            return data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise UserError(f"{what} on standard input is not UTF-8") from None
+    path = Path(path).expanduser()
     if path.is_dir():
         raise UserError(f"{what} {path} is a folder, not a file")
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors write one) is not text
     except UnicodeDecodeError:
         raise UserError(f"{what} {path} is not UTF-8") from None
     except OSError as e:

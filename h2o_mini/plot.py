@@ -59,6 +59,19 @@ def save(plt, fig, out, tight: bool = True) -> None:
         plt.close(fig)
 
 
+def plain_log_axis(axis, ticks=None) -> None:
+    """Plain numbers on a log axis (20, 30, 0.05, 1024), not matplotlib's 2x10^1 or 2^10; `ticks`: exactly these."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    if ticks is not None:
+        axis.set_ticks(ticks)
+        axis.set_minor_formatter(NullFormatter())
+        axis.set_ticks([], minor=True)
+    else:
+        axis.set_minor_formatter(plain)
+    axis.set_major_formatter(plain)
+
+
 def save_kept_plot(matrices: dict[str, torch.Tensor], out: Path, title: str) -> None:
     plt, fig, axes = figure(len(matrices), (4, 4.4))
     for ax, (label, kept) in zip(axes, matrices.items()):
@@ -72,6 +85,12 @@ def save_kept_plot(matrices: dict[str, torch.Tensor], out: Path, title: str) -> 
 
 def save_heatmaps(panels: dict[str, dict[tuple[float, int], float]], out: Path, title: str) -> None:
     """One heat map per panel: depth (down) x length (across), the share of cells where the needle was found."""
+    plt, fig = heatmap_figure(panels, title)
+    save(plt, fig, out, tight=False)
+
+
+def heatmap_figure(panels: dict[str, dict[tuple[float, int], float]], title: str):
+    """(pyplot, figure) of `save_heatmaps`, with a shared colour bar whose labels fit inside the picture."""
     plt, fig, axes = figure(len(panels), (3.6, 3.4))
     for ax, (label, cells) in zip(axes, panels.items()):
         depths = sorted({d for d, _ in cells})
@@ -84,10 +103,13 @@ def save_heatmaps(panels: dict[str, dict[tuple[float, int], float]], out: Path, 
         ax.set_ylabel("needle depth")
         ax.set_title(label, fontsize=9)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.92, 1))  # room on the right for the shared colour bar
-    bar = fig.colorbar(image, cax=fig.add_axes((0.93, 0.15, 0.012, 0.7)))
+    right = 1 - 0.9 / fig.get_figwidth()  # room on the right for the shared colour bar and its labels (0.9 in)
+    fig.tight_layout(rect=(0, 0, right, 1))
+    bar = fig.colorbar(image, cax=fig.add_axes((right + 0.1 / fig.get_figwidth(), 0.15, 0.12 / fig.get_figwidth(), 0.7)))
+    bar.set_ticks([0, 0.25, 0.5, 0.75, 1], labels=["0%", "25%", "50%", "75%", "100%"])
+    bar.ax.tick_params(labelsize=8)
     bar.ax.set_title("found", fontsize=8)
-    save(plt, fig, out, tight=False)
+    return plt, fig
 
 
 def save_bench_plot(rows: list[dict], out: Path, title: str) -> None:
@@ -110,6 +132,7 @@ def save_bench_plot(rows: list[dict], out: Path, title: str) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(name)
         ax.set_xscale("log", base=2)
+        plain_log_axis(ax.xaxis, sorted({r["prompt_tokens"] for r in rows}))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

@@ -59,11 +59,30 @@ TINY = {
 FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel"]
 
 
+def seeded_weights_(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
+    """Overwrite every parameter from a seeded CPU generator, in name order, so the tiny models are the same
+    on every machine whatever transformers' initialisation scheme of the day: matrices and embeddings
+    N(0, std^2); norm scales 1 + N(0, 0.1^2) (random enough that a wrong norm formula shows); biases
+    N(0, 0.1^2). transformers' own init is never read (its scheme changed between releases)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim >= 2:
+                p.copy_(noise * std)
+            elif name.endswith("bias"):
+                p.copy_(noise * 0.1)
+            else:  # a norm's scale
+                p.copy_(1 + noise * 0.1)
+
+
 def build_hf(name: str, folder: Path):
-    """A tiny random transformers model, saved as safetensors; returns it in eval mode."""
+    """A tiny random transformers model with seeded weights (`seeded_weights_`), saved as safetensors;
+    returns it in eval mode."""
     from transformers import AutoModelForCausalLM
-    torch.manual_seed(sum(map(ord, name)))
+    torch.manual_seed(0)  # transformers initialises first; every value it draws is overwritten below
     model = AutoModelForCausalLM.from_config(TINY[name](), attn_implementation="eager").eval()
+    seeded_weights_(model, sum(map(ord, name)))
     model.save_pretrained(folder, safe_serialization=True)
     return model
 

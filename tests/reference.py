@@ -53,8 +53,13 @@ def layer_capacities(policy: Policy, n_layer: int, length: int) -> list[int]:
 
 
 class ReferenceCache:
-    def __init__(self, cfg, policy: Policy, length: int, kv_bits: int | None = None):
-        self.policy, self.g, self.bits = policy, cfg.group, kv_bits
+    def __init__(self, cfg, policy: Policy, length: int, kv_bits: int | None = None, given_kv=None):
+        """given_kv: per layer, position -> (k, v), each (n_kv_head, hd): the keys and values a fast path
+        computed (`record_kv`), used instead of this model's own before they are rounded. Quantization is
+        a step function: a key within rounding of a code boundary takes the neighbouring code when the
+        matmul that made it summed in another order (a chunk rather than one token), so the quantized
+        comparison rounds the *same* tensors on both sides; everything else is still computed here."""
+        self.policy, self.g, self.bits, self.given = policy, cfg.group, kv_bits, given_kv
         self.caps = layer_capacities(policy, cfg.n_layer, length)
         self.scale = cfg.head_dim ** -0.5
         # per layer: every K/V/position ever seen; per KV head: the cached indices and their scores, and for
@@ -66,6 +71,10 @@ class ReferenceCache:
 
     def attend(self, layer, q, k, v, pos, mode):
         assert q.shape[0] == 1, "the reference runs one row"
+        if self.given is not None:
+            given = [self.given[layer][int(p)] for p in pos[0]]
+            k = torch.stack([kv[0] for kv in given], 1)[None].to(k.dtype)  # (1, H, T, hd)
+            v = torch.stack([kv[1] for kv in given], 1)[None].to(v.dtype)
         k, v = fake_quant(k, self.bits), fake_quant(v, self.bits)
         if mode == "dense":
             return self._dense(layer, q, k, v, pos)
@@ -208,11 +217,24 @@ class _Layer:
         return self.cache.attend(self.index, q, k, v, pos, mode)
 
 
+def record_kv(cache) -> list[dict]:
+    """Wrap every layer of a fast `KVCache` so that it records the keys and values it is given, before it
+    stores them: per layer, position -> (k, v) of row 0, each (n_kv_head, hd). For `ReferenceCache(given_kv=)`."""
+    given = [{} for _ in cache.layers]
+    for layer, seen in zip(cache.layers, given):
+        def attend(q, k, v, pos, mode, _attend=layer.attend, _seen=seen):
+            for i, p in enumerate(pos[0].tolist()):
+                _seen[p] = (k[0, :, i].clone(), v[0, :, i].clone())
+            return _attend(q, k, v, pos, mode)
+        layer.attend = attend
+    return given
+
+
 def reference_logits(model, ids: list[int], policy: Policy, length: int | None = None, dense_prompt: int = 0,
-                     kv_bits: int | None = None) -> torch.Tensor:
+                     kv_bits: int | None = None, given_kv=None) -> torch.Tensor:
     """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time,
-    in a cache sized for `length` tokens (default: the ids)."""
-    cache = ReferenceCache(model.cfg, policy, length or len(ids), kv_bits)
+    in a cache sized for `length` tokens (default: the ids). given_kv: see `ReferenceCache`."""
+    cache = ReferenceCache(model.cfg, policy, length or len(ids), kv_bits, given_kv)
     x = torch.tensor([ids])
     outs = []
     if dense_prompt:

@@ -53,7 +53,7 @@ def test_rows_are_yielded_as_each_configuration_finishes(folder, monkeypatch):
     calls = []
     real = bench.bench_one
     monkeypatch.setattr(bench, "bench_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    rows = bench.run_bench(api.load(folder), ("full", "h2o"), ("0.5",), None, 1, 8, 3, "dense", bench.DEFAULT_TEXT,
+    rows = bench.run_bench(api.load(folder), ("full", "h2o"), ("0.5",), None, 1, 8, 3, "dense", bench.DEFAULT_TEXT.read_text(),
                            None, 8, False, False)
     first = next(rows)
     assert first["policy"] == "full" and len(calls) == 1  # the second configuration has not started
@@ -92,10 +92,15 @@ def test_bad_bench_plot_and_batches(folder, tmp_path):
 def test_the_gpu_script_runs_dry_on_cpu(folder, tmp_path):
     """docs/gpu/run.sh --dry-run: every step of the GPU run (parity tests, the bench curve and plot, the
     OPT-shaped latency/throughput runs) on CPU with tiny shapes, so the script does not rot before a GPU runs it."""
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run(["bash", "docs/gpu/run.sh", "--dry-run", str(tmp_path)], cwd=root, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "MODEL": str(folder)})
+    script = Path(__file__).resolve().parent.parent / "docs/gpu/run.sh"
+    # from another folder, with no venv on PATH: the script must use the interpreter it is given
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if not Path(p, "h2o-mini").exists() and not Path(p, "pytest").exists())
+    env = {**os.environ, "MODEL": str(folder), "PYTHON": sys.executable, "PATH": path}
+    r = subprocess.run(["bash", str(script), "--dry-run", "out"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
+    tmp_path = tmp_path / "out"  # a relative OUT is the caller's folder's
     assert " passed" in (tmp_path / "parity.txt").read_text()
     rows = [json.loads(line) for line in (tmp_path / "default_bf16.jsonl").read_text().splitlines()]
     assert {(x["policy"], x["prompt_tokens"]) for x in rows} == {(p, n) for p in ("full", "h2o") for n in (16, 32)}
@@ -106,3 +111,11 @@ def test_the_gpu_script_runs_dry_on_cpu(folder, tmp_path):
     assert latency[0]["batch"] == latency[1]["batch"]
     assert throughput[1]["batch"] > throughput[0]["batch"]  # a fifth of the cache: more rows in the same memory
     assert "latency full / h2o" in (tmp_path / "opt_random.md").read_text()
+
+
+def test_the_gpu_script_fails_loudly(tmp_path):
+    """A step that fails stops the script with a non-zero exit and a line on stderr naming where."""
+    script = Path(__file__).resolve().parent.parent / "docs/gpu/run.sh"
+    r = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": str(tmp_path / "no-such-python")})
+    assert r.returncode != 0 and "docs/gpu/run.sh: failed" in r.stderr

@@ -259,8 +259,10 @@ def test_generate_until_and_loglikelihood_rolling(lm):
     stop = free[3:5]  # a stop string that occurs in the greedy continuation
     [got] = harness.generate_until([_Request(context, {"until": [stop], "max_gen_toks": 12})])
     assert got == free.split(stop)[0] and len(got) < len(free)
-    [whole] = PolicyLM(lm).generate_until([_Request(context, {"until": ["\x00"], "max_gen_toks": 12})])
-    assert whole == api.generate(lm, context, max_new_tokens=12, chat=False)
+    want = api.generate(lm, context, max_new_tokens=12, chat=False)
+    never = want + "\x00"  # longer than the whole greedy continuation: it cannot occur in it, whatever the weights
+    [whole] = PolicyLM(lm).generate_until([_Request(context, {"until": [never], "max_gen_toks": 12})])
+    assert whole == want
     text = GPL3.read_text()[3000:3050]
     [rolling] = PolicyLM(lm).loglikelihood_rolling([_Request(text)])
     x = torch.tensor([[2] + lm.tokenizer.encode(text)])  # one window, after EOS (2) as lm-eval's prefix

@@ -7,11 +7,17 @@
 #   (c) OPT-6.7B-shaped random weights, 2048 + 2048 tokens: full vs h2o 0.2 latency at one batch and
 #       throughput at the largest batch each fits (docs/gpu/opt_random.py).
 # --dry-run: the same steps on CPU with tiny shapes (MODEL=a checkpoint folder; tests/test_bench.py runs it).
+# PYTHON: the interpreter to use (default: python3 on PATH; the tests pass their own). Runs from the repository
+# root whatever the caller's folder; a relative OUT is taken from the caller's folder.
 set -euo pipefail
 dry=0
 if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
 out=${1:-docs/results/gpu}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/../.."
+py=${PYTHON:-python3}
+trap 'echo "docs/gpu/run.sh: failed (exit $?) at line $LINENO; see $out" >&2' ERR
 if [ $dry = 1 ]; then
   export H2O_MINI_TEST_DEVICE=cpu
   tests=(-k "decode_step_matches_reference and h2o and llama_gqa_tied")
@@ -23,17 +29,20 @@ else
   bench=(--model "${MODEL:-default}" --device cuda --dtype bfloat16 --compile --batch 8 --new-tokens 128
          --prompt-tokens 1024 --prompt-tokens 8064)  # 4 compilations of the whole step
 fi
-python - <<'PY' > "$out/device.txt"
+"$py" - <<'PY' > "$out/device.txt"
 import torch
 print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 PY
 # (a)
-python -m pytest -q -p no:cacheprovider tests/test_eviction_parity.py tests/test_model_parity.py "${tests[@]}" \
-  2>&1 | tail -n 5 > "$out/parity.txt"
-grep -q " passed" "$out/parity.txt" && ! grep -q "failed\|error" "$out/parity.txt"
+"$py" -m pytest -q -p no:cacheprovider tests/test_eviction_parity.py tests/test_model_parity.py "${tests[@]}" \
+  > "$out/parity.txt" 2>&1 || true
+if ! grep -q " passed" "$out/parity.txt" || grep -q "failed\|error" "$out/parity.txt"; then
+  tail -n 20 "$out/parity.txt" >&2
+  exit 1
+fi
 # (c) before (b): its eager runs have a known cost, while (b) compiles the whole step four times
-python docs/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
+"$py" docs/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
 # (b)
-h2o-mini bench "${bench[@]}" --policy full --policy h2o --budget 0.2 --same-prompt --json \
+"$py" -m h2o_mini bench "${bench[@]}" --policy full --policy h2o --budget 0.2 --same-prompt --json \
   --plot "$out/default_bf16.png" > "$out/default_bf16.jsonl"
 echo "wrote $out"

@@ -15,6 +15,8 @@ as is. Requests are batched (left-padded rows) among those that get the same pol
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -44,7 +46,7 @@ class PolicyLM(TemplateLM):
         self.kv_bytes = 0  # the largest cache one request has held (one row)
 
     def policy_for(self, length: int):
-        policy = make_policy(self.policy, self.budget, length, self.recent)
+        policy = make_policy(self.policy, self.budget, length, self.recent, quiet=True)
         self.kv_bytes = max(self.kv_bytes, self.decoder.cache_bytes(policy, 1, length))
         return policy
 
@@ -158,12 +160,22 @@ def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_few
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local data only: no hub at run time
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager, get_task_dict
     paths = [str(SHIPPED_TASKS)] + ([include_path] if include_path else [])
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"--include-path {include_path} is not a folder")
     model = PolicyLM(lm, policy, budget, recent, prefill, batch_size, compile=compile, progress=progress,
                      kv_bits=kv_bits)
+    with quiet_harness():
+        manager = _task_manager(tasks, paths)
+        results = simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                  task_manager=manager, log_samples=log_samples, batch_size=batch_size, random_seed=0,
+                                  numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    return dict(results, kv={"kv_bits": model.decoder.stored_bits, "kv_bytes": model.kv_bytes})
+
+
+def _task_manager(tasks: list[str], paths: list[str]):
+    """lm-eval's TaskManager over its own tasks and `paths`, with every task checked to load (a UserError if not)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
     try:
         manager = TaskManager(include_path=paths)
         unknown = [t for t in tasks if t not in manager.all_tasks]
@@ -175,7 +187,22 @@ def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_few
     except Exception as e:  # yaml, datasets and lm-eval raise many kinds; each is a bad task folder here
         raise UserError(f"cannot load the tasks {','.join(tasks)}: {type(e).__name__}: "
                         f"{(str(e).strip().splitlines() or [''])[0]}") from None
-    results = simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                              log_samples=log_samples, batch_size=batch_size, random_seed=0, numpy_random_seed=0,
-                              torch_random_seed=0, fewshot_random_seed=0)
-    return dict(results, kv={"kv_bits": model.decoder.stored_bits, "kv_bytes": model.kv_bytes})
+    return manager
+
+
+@contextlib.contextmanager
+def quiet_harness():
+    """While lm-eval runs: none of its warnings meant for its own command line (a `--metadata` hint for an
+    option h2o-mini has none of), and none of the environment report that h2o-mini does not show (`git
+    describe` in the user's folder, whose "fatal: not a git repository" lands on stderr, and torch's
+    collect_env, which runs a dozen programs). All restored afterwards."""
+    import lm_eval.evaluator as evaluator
+    log = logging.getLogger("lm_eval")
+    saved = log.level, evaluator.get_git_commit_hash, evaluator.add_env_info
+    log.setLevel(logging.ERROR)
+    evaluator.get_git_commit_hash, evaluator.add_env_info = (lambda: None), (lambda storage: None)
+    try:
+        yield
+    finally:
+        log.setLevel(saved[0])
+        evaluator.get_git_commit_hash, evaluator.add_env_info = saved[1:]

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from ..api import LM, as_policy
+from ..api import LM
+from ..policies import make_policy
 from ..errors import UserError
 from ..generate import Decoder
 
@@ -68,7 +69,8 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
                             f"{cfg.max_seq_len} positions")
         haystack(lm, filler, n, 0.5, 100000, chat)
     for name, budget, recent in policies:
-        as_policy(name, budget, max(lengths) + ANSWER_TOKENS, recent)
+        for n in lengths:  # each checked (and a budget that rounds to one token said) before the first cell
+            make_policy(name, budget, n + ANSWER_TOKENS, recent)
     decoder = Decoder(lm.model, compile=compile, kv_bits=kv_bits)
     bar = tqdm(total=len(lengths) * len(depths) * seeds * len(policies), desc="needle", unit="cell",
                disable=None if progress else True)
@@ -78,10 +80,11 @@ def run_needle(lm: LM, text: str, lengths: list[int], depths: list[float], seeds
                 number = random.Random(f"{length}-{depth}-{seed}").randrange(100000, 1000000)
                 ids, at = haystack(lm, filler, length, depth, number, chat)
                 for name, budget, recent in policies:
-                    policy = as_policy(name, budget, length + ANSWER_TOKENS, recent)
+                    policy = make_policy(name, budget, length + ANSWER_TOKENS, recent, quiet=True)
                     tokens = list(decoder.complete(ids, policy, ANSWER_TOKENS, prefill, lm.eos_ids))
                     answer = lm.tokenizer.decode(tokens).strip()
-                    yield {"policy": name, "budget": budget, "capacity": policy.capacity or length + ANSWER_TOKENS,
+                    yield {"policy": name, "params": policy.params(), "budget": budget,
+                           "capacity": policy.capacity or length + ANSWER_TOKENS,
                            "kv_bits": decoder.stored_bits,
                            "kv_bytes": decoder.cache_bytes(policy, 1, length + ANSWER_TOKENS),
                            "prefill": prefill, "length": length, "depth": depth, "seed": seed,

@@ -78,4 +78,4 @@ def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> I
 
 
 def _params(policy: Policy) -> dict:
-    return {k: v for k, v in vars(policy).items()}
+    return policy.params()

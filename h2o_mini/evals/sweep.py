@@ -1,19 +1,21 @@
 """`h2o-mini eval sweep ppl|needle|tasks`: every policy at every budget, one table, one plot.
 
-A sweep is a list of points (policy, budget); `full` is always one point, whatever the policies and budgets. Each finished
-point's rows are appended to `--out` (JSON lines) at once and flushed, and a rerun with the same `--out`
-skips the points already there, so a long sweep survives an interruption. The plot draws quality against
+A sweep is a list of points (policy spec, budget); `full` is always one point, whatever the policies and
+budgets. Each finished point's rows are appended to `--out` (JSON lines) at once and flushed, each with the
+sweep's kind and settings, and a rerun with the same `--out` and the same settings skips the points already
+there, so a long sweep survives an interruption. The plot draws quality against
 budget, one line per policy, `full` as a horizontal line.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, note
 from ..files import check_output
-from ..policies import REGISTRY
+from ..policies import REGISTRY, parse_budget, resolve
 
 DEFAULT_BUDGETS = ("0.05", "0.1", "0.2", "0.5")
 # kind -> (the number a point is judged by, how to read it off its rows, higher is better)
@@ -25,52 +27,94 @@ METRICS = {
 
 
 def points(policies, budgets, with_full: bool = True) -> list[tuple[str, str | None]]:
-    """(policy, budget) pairs, `full` once whatever the budgets. A sweep always has it, first: it is the line
-    every other policy is read against."""
+    """(policy spec, budget) pairs, `full` once whatever the budgets. A sweep always has it, first: it is the
+    line every other policy is read against. A policy that takes no budget is one point."""
     policies = ("full",) * with_full + tuple(policies or REGISTRY)
     budgets = budgets or DEFAULT_BUDGETS
-    return list(dict.fromkeys((p, None if p == "full" else b) for p in policies for b in budgets))
+    return list(dict.fromkeys((p, b if resolve(p).cls.takes_budget else None) for p in policies for b in budgets))
+
+
+def check_budget_kinds(budgets) -> None:
+    """One plot's x axis is either fractions of the sequence or token counts: mixing them would draw 0.5 (say
+    64 tokens) left of 1 (one token) on one line."""
+    kinds = {type(parse_budget(b)) for b in budgets or ()}
+    if len(kinds) > 1:
+        raise UserError("--plot draws quality against the budget: give only fractions (0.1) or only token counts "
+                        f"(64), not both ({', '.join(budgets)}); or leave out --plot")
 
 
 def _key(row: dict) -> tuple:
-    return row["policy"], None if row["policy"] == "full" else str(row["budget"])
+    return row["spec"], None if row["budget"] is None else str(row["budget"])
 
 
-def finished(out: Path | None) -> dict[tuple, list[dict]]:
-    """The points an earlier run of the same sweep already wrote to `out`."""
+def finished(f, out: Path, kind: str, settings: dict) -> dict[tuple, list[dict]]:
+    """The points an earlier run of the same sweep (same kind and settings) already wrote to the open file `f`.
+    A file of another kind is refused; rows of other settings are never reused (one note says how many)."""
     done: dict[tuple, list[dict]] = {}
-    if out is None or not out.exists():
-        return done
-    for n, line in enumerate(out.read_text(encoding="utf-8").splitlines(), 1):
+    f.seek(0)
+    foreign, differ = 0, set()
+    for n, line in enumerate(f.read().splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            done.setdefault(_key(row), []).append(row)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{out}:{n} is not a row of an h2o-mini sweep") from None
+            row_kind, key = row.get("sweep"), _key(row)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise UserError(f"{out}:{n} is not a row of an h2o-mini sweep: give another --out") from None
+        if row_kind != kind:
+            raise UserError(f"{out}:{n} is a row of a{'n' if str(row_kind)[:1] in 'aeiou' else ''} {row_kind} sweep, "
+                            f"not of this {kind} sweep: give another --out")
+        if row.get("settings") != settings:
+            theirs = row.get("settings") if isinstance(row.get("settings"), dict) else {}
+            differ |= {k for k in {*settings, *theirs} if theirs.get(k) != settings.get(k)}
+            foreign += 1
+            continue
+        done.setdefault(key, []).append(row)
+    if foreign:
+        note(f"h2o-mini: note: {out} holds {foreign} rows with other settings ({', '.join(sorted(differ))}): they "
+             "are kept in the file but not reused")
     return done
 
 
 def run_sweep(kind: str, todo: list[tuple], run_point: Callable[[str, str | None], list[dict]],
-              out: Path | None, progress: bool = True) -> Iterator[tuple[tuple, list[dict]]]:
-    """(point, rows) for every point, those already in `out` first and not run again."""
+              out: Path | None, settings: dict, progress: bool = True) -> Iterator[tuple[tuple, list[dict]]]:
+    """(point, rows) for every point, those of the same settings already in `out` first and not run again.
+    `settings`: everything besides the point that changes a number (model, text, tokens, kv_bits, ...); each
+    row written records it, and only rows with equal settings are reused. One writer at a time: a second
+    sweep on the same file is refused while the first runs (an advisory lock on the file)."""
     from tqdm import tqdm
+    f, existed = None, out is not None and out.exists()
     if out is not None:
         check_output(out, (".jsonl",))
-    done = finished(out)
-    for point in todo:
-        if point in done:
-            yield point, done[point]
-    bar = tqdm([p for p in todo if p not in done], desc=f"sweep {kind}", unit="point", disable=not progress or None)
-    for point in bar:
-        bar.set_postfix_str(f"{point[0]} {point[1] or ''}")
-        rows = run_point(*point)
-        if out is not None:
-            with open(out, "a", encoding="utf-8") as f:  # a whole point per append: never half a point
-                f.write("".join(json.dumps(dict(r, budget=point[1])) + "\n" for r in rows))
+        try:
+            f = open(out, "a+", encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot write {out}: {e.strerror}") from None
+    try:
+        if f is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise UserError(f"another sweep is writing {out} right now: wait for it, or give another --out") from None
+        done = finished(f, out, kind, settings) if f is not None else {}
+        for point in todo:
+            if point in done:
+                yield point, done[point]
+        bar = tqdm([p for p in todo if p not in done], desc=f"sweep {kind}", unit="point",
+                   disable=not progress or None)
+        for point in bar:
+            bar.set_postfix_str(f"{point[0]} {point[1] or ''}")
+            rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in run_point(*point)]
+            if f is not None:  # a whole point per append: never half a point
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
                 f.flush()
-        yield point, rows
+            yield point, rows
+    finally:
+        if f is not None:
+            empty = f.tell() == 0
+            f.close()  # and the lock with it
+            if empty and not existed:  # nothing was written: leave no empty file behind
+                out.unlink(missing_ok=True)
 
 
 def summary(kind: str, results: dict[tuple, list[dict]]) -> list[dict]:
@@ -80,32 +124,34 @@ def summary(kind: str, results: dict[tuple, list[dict]]) -> list[dict]:
 
 def table(kind: str, results: dict[tuple, list[dict]]) -> str:
     name = METRICS[kind][0]
-    lines = [f"{'policy':<14}{'budget':>8}  {name}"]
+    width = max([14] + [len(p) + 2 for p, _ in results])
+    lines = [f"{'policy':<{width}}{'budget':>8}  {name}"]
     for row in summary(kind, results):
-        lines.append(f"{row['policy']:<14}{row['budget'] or 'all':>8}  {row[name]:.4f}")
+        lines.append(f"{row['policy']:<{width}}{row['budget'] or 'all':>8}  {row[name]:.4f}")
     return "\n".join(lines)
 
 
 def save_sweep_plot(kind: str, results: dict[tuple, list[dict]], out, title: str) -> None:
-    from ..plot import figure, save
+    from ..plot import figure, plain_log_axis, save
     name = METRICS[kind][0]
     plt, fig, axes = figure(1, (6.4, 4.6))
     ax = axes[0]
     rows = summary(kind, results)
     for policy in dict.fromkeys(r["policy"] for r in rows):
         mine = sorted((float(r["budget"]), r[name]) for r in rows if r["policy"] == policy and r["budget"])
-        if policy == "full" or not mine:
+        if not mine:
             value = next(r[name] for r in rows if r["policy"] == policy)
             ax.axhline(value, color="black", linestyle="--", label=f"{policy}")
             continue
         ax.plot([b for b, _ in mine], [v for _, v in mine], marker="o", label=policy)
     ax.set_xscale("log")
     ticks = sorted({float(r["budget"]) for r in rows if r["budget"]})
-    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    ax.minorticks_off()
+    plain_log_axis(ax.xaxis, ticks)
     if kind == "ppl":
         ax.set_yscale("log")
-    ax.set_xlabel("budget (fraction of the sequence, or tokens)")
+        plain_log_axis(ax.yaxis)
+    counts = any(isinstance(parse_budget(r["budget"]), int) for r in rows if r["budget"])
+    ax.set_xlabel("budget (tokens kept)" if counts else "budget (fraction of the sequence kept)")
     ax.set_ylabel({"ppl": "perplexity (lower is better)", "needle": "needle found (share of cells)",
                    "tasks": "task score"}[kind])
     ax.set_title(title, fontsize=10)

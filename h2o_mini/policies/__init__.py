@@ -1,7 +1,9 @@
 """Eviction policies. `REGISTRY` is the one place a policy is named; the tests iterate over it."""
 from __future__ import annotations
 
-from .base import BUDGET_HELP, Policy, capacity_for, describe, parse_budget, recent_for
+from dataclasses import replace
+
+from .base import BUDGET_HELP, Policy, capacity_for, describe, param, parse_budget, recent_for
 from .full import Full
 from .h2o import H2O
 from .heavy_hitter import HeavyHitter
@@ -13,36 +15,55 @@ from .scissorhands import Scissorhands
 from .sinks import Sinks
 from .snapkv import SnapKV
 from .tova import TOVA
-from ..errors import UserError
+from .plugins import PluginError, Spec, parse_spec
+from ..errors import UserError, note
 
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (
     Full, Local, HeavyHitter, H2O, Sinks, TOVA, Scissorhands, SnapKV, PyramidKV, KNorm, KeyDiff)}
 
 
-def make_policy(name: str, budget: str | float | int | None, length: int,
-                recent: str | float | int | None = None) -> Policy:
-    """A policy from CLI-style arguments: `budget` is a fraction of `length` or a token count (see the spec)."""
-    if name not in REGISTRY:
-        raise UserError(f"unknown policy {name!r} (choose from {', '.join(REGISTRY)})")
-    cls = REGISTRY[name]
+def resolve(spec: "str | Spec") -> Spec:
+    """A `--policy` value (`h2o`, `a2sf:gamma=0.9`, `my.py:MyRule`, an installed name) resolved to its class."""
+    return spec if isinstance(spec, Spec) else parse_spec(spec, REGISTRY)
+
+
+def make_policy(spec: "str | Spec", budget: str | float | int | None, length: int,
+                recent: str | float | int | None = None, quiet: bool = False) -> Policy:
+    """A policy from CLI-style arguments: `spec` as `--policy` reads it (`plugins.py`), `budget` a fraction of
+    `length` or a token count (see the spec); parameters given in the spec override `from_budget`'s. A fraction
+    so small that C rounds up to one token says so on stderr (unless `quiet`: callers that make one policy
+    per request say it once themselves)."""
+    spec = resolve(spec)
+    cls = spec.cls
     if recent is not None and not cls.takes_recent:
         with_recent = ", ".join(n for n, c in REGISTRY.items() if c.takes_recent)
-        raise UserError(f"--recent does not apply to policy {name!r} (only to {with_recent})")
-    if name == "full":
+        raise UserError(f"--recent does not apply to policy {spec.name!r} (only to {with_recent}, and plugins "
+                        "that set takes_recent)")
+    if not cls.takes_budget:
         if budget is not None:
-            raise UserError("policy 'full' keeps every token: --budget does not apply to it")
-        return Full()
+            raise UserError(f"policy {spec.name!r} keeps every token: --budget does not apply to it")
+        return cls(**dict(spec.given))
     if budget is None:
-        raise UserError(f"policy {name!r} needs --budget")
-    capacity = capacity_for(parse_budget(budget), length)
-    return cls.from_budget(capacity, recent_for(recent, capacity))
+        raise UserError(f"policy {spec.name!r} needs --budget")
+    share = parse_budget(budget)
+    capacity = capacity_for(share, length)
+    if isinstance(share, float) and share * length < 0.5 and not quiet:
+        note(f"h2o-mini: note: --budget {budget} of {length} tokens rounds to less than one token: C = 1")
+    policy = cls.from_budget(capacity, recent_for(recent, capacity))
+    return replace(policy, **dict(spec.given)) if spec.given else policy
 
 
-def recent_if_taken(name: str, recent):
+def recent_if_taken(spec, recent):
     """`--recent` for a policy that splits C by it, else None: one --recent given to several policies
     (bench, sweeps, plots) reaches only those it means something to."""
-    return recent if REGISTRY[name].takes_recent else None
+    return recent if resolve(spec).cls.takes_recent else None
 
 
-__all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "Full", "Local",
-           "HeavyHitter", "H2O", "Sinks", "TOVA", "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff"]
+def takes_recent_names() -> list[str]:
+    """The registered policies that --recent applies to (help texts are built from this)."""
+    return [name for name, cls in REGISTRY.items() if cls.takes_recent]
+
+
+__all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "resolve", "Spec",
+           "PluginError", "param", "Full", "Local", "HeavyHitter", "H2O", "Sinks", "TOVA", "Scissorhands", "SnapKV",
+           "PyramidKV", "KNorm", "KeyDiff"]

@@ -14,6 +14,7 @@ class Full(Policy):
     never consulted)."""
 
     name = "full"
+    takes_budget = False
 
     @property
     def capacity(self) -> None:

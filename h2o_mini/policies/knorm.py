@@ -32,7 +32,7 @@ class KNorm(Policy):
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
         # bf16 (8 significant bits): one token's keys at different positions have the same norm (RoPE
         # rotates them) up to rounding, and must tie, so that the older goes first on every code path
-        return -keys.float().norm(dim=-1).bfloat16().float()  # (B, H, T)
+        return -keys.double().norm(dim=-1).bfloat16().float()  # (B, H, T); fp64: no path rounds across a bf16 step
 
     def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
         return score

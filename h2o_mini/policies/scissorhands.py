@@ -54,14 +54,24 @@ class Scissorhands(Policy):
         important = sum((bits >> i) & 1 for i in range(self.window))  # popcount of the history window
         return torch.where(pos > t - self.recent, torch.inf, important.float())
 
+    def update(self, score: torch.Tensor, p: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """One query: shift the history one place (the oldest verdict falls out) and add this query's verdict."""
+        n = attended.sum(-1, keepdim=True).clamp(min=1)  # (B, H, 1) tokens the query attended
+        important = attended & (p * n >= p.sum(-1, keepdim=True))  # at least the uniform share
+        return torch.remainder(score * 2.0, 2.0 ** self.window) + important.float()
+
     def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """`update` over Q queries at once (dense prefill): each counting query's verdict, shifted by the
+        number of counting queries after it; a query that attended nothing shifts nothing."""
         n = attended.sum(-1, keepdim=True).clamp(min=1)  # (B, H, Q, 1) tokens each query attended
         important = attended & (probs * n >= probs.sum(-1, keepdim=True))  # (B, H, Q, S)
-        Q, w = probs.shape[2], self.window
-        age = torch.arange(Q - 1, -1, -1, device=probs.device)  # queries ago: the last one is 0
-        weight = torch.where(age < w, 2.0 ** age.clamp(max=w - 1), 0.0)  # (Q,) older verdicts fall out
-        shifted = torch.remainder(score * 2.0 ** min(Q, w), 2.0 ** w)  # exact: powers of two, below 2^24
-        return shifted + (important.float() * weight[:, None]).sum(2)
+        counts = attended.any(-1).float()  # (B, H, Q)
+        w = self.window
+        after = counts.flip(-1).cumsum(-1).flip(-1) - counts  # counting queries after each one
+        weight = torch.where(after < w, 2.0 ** after.clamp(max=w - 1), 0.0) * counts  # older verdicts fall out
+        total = counts.sum(-1, keepdim=True).clamp(max=w)  # (B, H, 1)
+        shifted = torch.remainder(score * 2.0 ** total, 2.0 ** w)  # exact: powers of two, below 2^24
+        return shifted + (important.float() * weight[..., None]).sum(2)
 
     @classmethod
     def from_budget(cls, capacity: int, recent: int | None) -> "Scissorhands":

@@ -33,8 +33,11 @@ class TOVA(Policy):
     def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
         return score
 
+    def update(self, score: torch.Tensor, p: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        return p  # replaced: only the latest query counts
+
     def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        return probs[:, :, -1]  # replaced: only the latest query counts
+        return probs[:, :, -1]  # the closed form of `update` over Q queries: the last one's attention
 
     @classmethod
     def from_budget(cls, capacity: int, recent: int | None) -> "TOVA":

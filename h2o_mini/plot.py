@@ -1,7 +1,7 @@
 """`h2o-mini plot kept`: which tokens each policy keeps, step by step, as one picture.
 
-A real text goes through the model one token at a time (teacher forcing) under each policy; after every
-step the cached positions of one layer and KV head are recorded. The picture has the step t across and the
+A real text goes through the model one token at a time (teacher forcing) under each policy; the recorder
+(`record.py`, shared with `h2o-mini explore`) notes when each position leaves each layer and KV head. The picture has the step t across and the
 position p down: a cell is dark while token p is in the cache at step t. `local` draws a diagonal band;
 `h2o` draws the same band plus horizontal lines, the heavy hitters it keeps for a long time.
 """
@@ -14,27 +14,17 @@ import torch
 from .api import LM
 from .errors import UserError
 from .files import write_atomic
-from .generate import Decoder
 from .policies import Policy
+from .record import record
 
 
-@torch.inference_mode()
 def kept_matrix(lm: LM, ids: list[int], policy: Policy, layer: int, head: int) -> torch.Tensor:
-    """(T, T) bool: [p, t] is True when position p is cached after step t, in `layer`, KV `head`, row 0."""
+    """(T, T) bool: [p, t] is True when position p is cached after step t, in `layer`, KV `head`, row 0
+    (read off the recorder that `explore` uses too: `record.py`)."""
     cfg = lm.model.cfg
     if not 0 <= layer < cfg.n_layer or not 0 <= head < cfg.n_kv_head:
         raise UserError(f"--layer must be in [0, {cfg.n_layer}) and --head in [0, {cfg.n_kv_head})")
-    T = len(ids)
-    device = next(lm.model.parameters()).device
-    decoder = Decoder(lm.model)
-    cache = decoder.new_cache(policy, 1, T)
-    x = torch.tensor([ids], device=device)
-    kept = torch.zeros(T, T, dtype=torch.bool)
-    for t in range(T):
-        decoder.step(lm.model, cache, x[:, t:t + 1], torch.tensor([[t]], device=device))
-        cached = cache.layers[layer].pos[0, head]
-        kept[cached[cached >= 0].cpu(), t] = True
-    return kept
+    return record(lm.model, ids, policy, snapshots=1).kept_matrix(layer, head)
 
 
 def figure(panels: int, size: tuple[float, float]):

@@ -1,9 +1,9 @@
-"""The naive reference for `shared/spec/eviction.md` and every registered policy's rule (docs/policies.md):
+"""The naive reference for `docs/spec.md` and every registered policy's rule (docs/policies.md):
 every key and value is kept, and the policy is applied as a mask, one token at a time, in plain Python
-loops. It shares no eviction code with `h2o_mini.cache` or the policy classes: each rule is written out
-again here from its documented statement (only the parameters are read off the policy object). A policy
-not written out here (a new one) is ranked by its own `keep_score`, with H2O's summed scores. Single
-row only (rows never influence each other; batched paths are compared per row). With `kv_bits`, every
+loops. It shares no eviction code with `h2o_mini.cache` or the policy classes: each built-in rule is written
+out again here from its documented statement (only the parameters are read off the policy object). A policy
+not written out here (a plugin) is checked by `h2o_mini.checkkit.HookReference`, which drives the policy's
+own hooks one token at a time (what `h2o-mini check-policy` runs). Single row only (rows never influence each other; batched paths are compared per row). With `kv_bits`, every
 key and value is rounded through the documented quantizer as it enters (written out again here too).
 """
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 
 from h2o_mini.policies import Policy
 
-SUMMED = {"full", "local", "heavy_hitter", "h2o", "sinks", "snapkv", "pyramidkv"}  # policies that add attention
-WINDOWED = {"h2o": "recent", "scissorhands": "recent", "snapkv": "window", "pyramidkv": "window"}
-KNOWN = SUMMED | {"tova", "scissorhands", "knorm", "keydiff"}  # others: ranked by their own keep_score, summed
+SUMMED = {"full", "local", "heavy_hitter", "h2o", "sinks", "snapkv", "pyramidkv", "vatp", "paged_h2o", "rkv"}
+WINDOWED = {"h2o": "recent", "scissorhands": "recent", "snapkv": "window", "pyramidkv": "window", "a2sf": "recent",
+            "vatp": "recent", "paged_h2o": "recent", "rkv": "recent"}
+KNOWN = SUMMED | {"tova", "scissorhands", "knorm", "keydiff", "a2sf"}  # others: checkkit.HookReference
 
 
 def fake_quant(x: torch.Tensor, bits: int | None) -> torch.Tensor:
@@ -107,9 +108,12 @@ class ReferenceCache:
 
     def _update(self, cached, score, hist, group):
         name = self.policy.name
-        if name in SUMMED or name not in KNOWN:
+        if name in SUMMED:
             for j, pj in zip(cached, group):
                 score[j] += pj
+        elif name == "a2sf":  # every score decays by gamma, then this query's attention is added
+            for j, pj in zip(cached, group):
+                score[j] = self.policy.gamma * score[j] + pj
         elif name == "tova":
             for j, pj in zip(cached, group):
                 score[j] = pj
@@ -122,10 +126,6 @@ class ReferenceCache:
         name, P = self.policy.name, st["P"]
         oldest_lowest = lambda js, f: min(js, key=lambda j: (f(j), P[j]))  # noqa: E731
         assert name != "full", "full never evicts"
-        if name not in KNOWN:
-            keep = self.policy.keep_score(torch.tensor([score[j] for j in cached]), torch.tensor([P[j] for j in cached]),
-                                          torch.tensor(t)).tolist()
-            return min(zip(cached, keep), key=lambda jk: (jk[1], P[jk[0]]))[0]
         if name == "local":
             return min(cached, key=lambda j: P[j])
         if name == "sinks":
@@ -137,7 +137,27 @@ class ReferenceCache:
             return oldest_lowest(candidates, lambda j: sum(hist[j][-self.policy.window:]))
         if name == "keydiff":
             return oldest_lowest(candidates, self._similarity(st["K"], cached, h))
-        return oldest_lowest(candidates, lambda j: score[j])  # heavy_hitter, h2o, snapkv, pyramidkv, tova, knorm
+        if name in ("vatp", "paged_h2o", "rkv"):
+            return oldest_lowest(candidates, self._combined(cached, score, st, h))
+        return oldest_lowest(candidates, lambda j: score[j])  # heavy_hitter, h2o, snapkv, pyramidkv, tova, knorm, a2sf
+
+    def _combined(self, among, score, st, h):
+        """j -> the rank of vatp (score x |v|_1), paged_h2o (the summed score of j's page among `among`) or rkv
+        (lam x score over the mean score - (1 - lam) x the mean cosine of j's key to the other keys of `among`)."""
+        name, P = self.policy.name, st["P"]
+        if name == "vatp":
+            return lambda j: score[j] * float(st["V"][j][h].float().abs().sum())
+        if name == "paged_h2o":
+            b = self.policy.block
+            return lambda j: sum(score[i] for i in among if P[i] // b == P[j] // b)
+        unit = {j: st["K"][j][h].double() / st["K"][j][h].double().norm().clamp(min=1e-12) for j in among}
+        mean = sum(score[i] for i in among) / len(among)
+        lam = self.policy.lam
+
+        def rank(j):
+            others = [float(unit[j] @ unit[i]) for i in among if i != j]
+            return lam * score[j] / max(mean, 1e-6) - (1 - lam) * (sum(others) / max(len(others), 1))
+        return rank
 
     @staticmethod
     def _knorm(key) -> float:
@@ -175,17 +195,21 @@ class ReferenceCache:
                 s = group[T - 1].tolist()
             elif name == "knorm":
                 s = [self._knorm(st["K"][j][h]) for j in range(T)]
+            elif name == "a2sf":  # each prompt query in turn: decay every score, add its attention
+                s = [0.0] * T
+                for i in range(T):
+                    s = [self.policy.gamma * s[j] + group[i, j].item() for j in range(T)]
             else:
                 s = group.sum(0).tolist()  # s_j: summed over all prompt queries (and the group's heads)
             hist = {j: [group[i, j].item() >= group[i, :i + 1].sum().item() / (i + 1) for i in range(j, T)]
                     for j in range(T)} if name == "scissorhands" else {j: [] for j in range(T)}
-            keep = self._dense_keep(s, hist, st["K"], h, T, C)
+            keep = self._dense_keep(s, hist, st, h, T, C)
             st["cached"][h] = sorted(keep)
             st["score"][h] = {j: s[j] for j in keep}
             st["hist"][h] = {j: hist[j] for j in keep}
         return out
 
-    def _dense_keep(self, s, hist, K, h, T, C):
+    def _dense_keep(self, s, hist, st, h, T, C):
         """The prompt tokens to keep (indices): the spec's rule for the four of the spec, else each rule."""
         name, newest_first = self.policy.name, list(range(T - 1, -1, -1))
         if T <= C or name == "full":
@@ -199,13 +223,12 @@ class ReferenceCache:
         if name in WINDOWED:
             r = getattr(self.policy, WINDOWED[name])
             rank = (lambda j: sum(hist[j][-self.policy.window:])) if name == "scissorhands" else (lambda j: s[j])
+            if name in ("vatp", "paged_h2o", "rkv"):  # ranked among every prompt token (all are cached here)
+                rank = self._combined(list(range(T)), dict(enumerate(s)), st, h)
             return newest_first[:r] + best(newest_first[r:], rank)[:C - r]
         if name == "keydiff":
-            sim = self._similarity(K, range(T), h)
+            sim = self._similarity(st["K"], range(T), h)
             return best(range(T), lambda j: sim(j))[:C]
-        if name not in KNOWN:
-            keep = self.policy.keep_score(torch.tensor(s), torch.arange(T), torch.tensor(T - 1)).tolist()
-            return best(range(T), lambda j: keep[j])[:C]
         return best(range(T), lambda j: s[j])[:C]  # heavy_hitter, tova, knorm
 
 
@@ -234,6 +257,9 @@ def reference_logits(model, ids: list[int], policy: Policy, length: int | None =
                      kv_bits: int | None = None, given_kv=None) -> torch.Tensor:
     """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time,
     in a cache sized for `length` tokens (default: the ids). given_kv: see `ReferenceCache`."""
+    if policy.name not in KNOWN:  # a plugin: its own hooks, one token at a time
+        from h2o_mini.checkkit import reference_logits as by_hooks
+        return by_hooks(model, ids, policy, length, dense_prompt, kv_bits, given_kv)
     cache = ReferenceCache(model.cfg, policy, length or len(ids), kv_bits, given_kv)
     x = torch.tensor([ids])
     outs = []

@@ -290,3 +290,16 @@ def test_lm_eval_noise_is_not_shown(folder, tmp_path):
                        cwd=tmp_path)  # not a git repository
     assert r.returncode == 0, r.stderr
     assert "fatal: not a git repository" not in r.stderr and "--metadata" not in r.stderr
+
+
+def test_a_sweep_file_of_an_older_version_is_not_reused(folder, tmp_path, capsys, monkeypatch):
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({"policy": "local", "params": {"recent": 8}, "ppl": 9.0, "budget": "8"}) + "\n")
+    code, _, err = _sweep(capsys, monkeypatch, folder, old, "--tokens", 24)
+    one_line_error((code, "", err), "written by an older h2o-mini")
+
+
+def test_the_readme_names_exactly_the_policies_recent_applies_to():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    sentence = text[text.index("`--recent` splits C for"):].split("(`h2o-mini policies` marks them)")[0]
+    assert set(re.findall(r"`(\w+)`", sentence)) - {"--recent"} == {n for n, c in REGISTRY.items() if c.takes_recent}

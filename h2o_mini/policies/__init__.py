@@ -4,22 +4,27 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .base import BUDGET_HELP, Policy, capacity_for, describe, param, parse_budget, recent_for
+from .a2sf import A2SF
 from .full import Full
 from .h2o import H2O
 from .heavy_hitter import HeavyHitter
 from .keydiff import KeyDiff
 from .knorm import KNorm
 from .local import Local
+from .paged_h2o import PagedH2O
 from .pyramidkv import PyramidKV
+from .rkv import RKV
 from .scissorhands import Scissorhands
 from .sinks import Sinks
 from .snapkv import SnapKV
 from .tova import TOVA
+from .vatp import VATP
 from .plugins import PluginError, Spec, parse_spec
 from ..errors import UserError, note
 
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (
-    Full, Local, HeavyHitter, H2O, Sinks, TOVA, Scissorhands, SnapKV, PyramidKV, KNorm, KeyDiff)}
+    Full, Local, HeavyHitter, H2O, Sinks, TOVA, Scissorhands, SnapKV, PyramidKV, KNorm, KeyDiff, A2SF, VATP, PagedH2O,
+    RKV)}
 
 
 def resolve(spec: "str | Spec") -> Spec:
@@ -66,4 +71,4 @@ def takes_recent_names() -> list[str]:
 
 __all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "resolve", "Spec",
            "PluginError", "param", "Full", "Local", "HeavyHitter", "H2O", "Sinks", "TOVA", "Scissorhands", "SnapKV",
-           "PyramidKV", "KNorm", "KeyDiff"]
+           "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV"]

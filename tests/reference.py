@@ -240,19 +240,6 @@ class _Layer:
         return self.cache.attend(self.index, q, k, v, pos, mode)
 
 
-def record_kv(cache) -> list[dict]:
-    """Wrap every layer of a fast `KVCache` so that it records the keys and values it is given, before it
-    stores them: per layer, position -> (k, v) of row 0, each (n_kv_head, hd). For `ReferenceCache(given_kv=)`."""
-    given = [{} for _ in cache.layers]
-    for layer, seen in zip(cache.layers, given):
-        def attend(q, k, v, pos, mode, _attend=layer.attend, _seen=seen):
-            for i, p in enumerate(pos[0].tolist()):
-                _seen[p] = (k[0, :, i].clone(), v[0, :, i].clone())
-            return _attend(q, k, v, pos, mode)
-        layer.attend = attend
-    return given
-
-
 def reference_logits(model, ids: list[int], policy: Policy, length: int | None = None, dense_prompt: int = 0,
                      kv_bits: int | None = None, given_kv=None) -> torch.Tensor:
     """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time,

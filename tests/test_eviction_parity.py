@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from h2o_mini.cache import KVCache
+from h2o_mini.checkkit import record_kv
 from h2o_mini.generate import Decoder, left_pad
 from h2o_mini.policies import REGISTRY, Policy, make_policy
 
 from .conftest import FAMILIES, text_bytes
-from .reference import record_kv, reference_logits
+from .reference import reference_logits
 
 T, C = 48, 10
 # every registered policy at C = 10, plus h2o's two degenerate splits and an uneven one
@@ -25,7 +26,7 @@ def _policy(name, recent):
 
 def _run(model, ids, policy, plan, kv_bits=None, dense_block=512, record=False):
     """Teacher-forced logits through KVCache. plan: list of (start, end, mode) covering the text. record: also
-    return the keys and values each layer was given (`reference.record_kv`)."""
+    return the keys and values each layer was given (`checkkit.record_kv`)."""
     cache = KVCache(model.cfg, policy, 1, len(ids), kv_bits=kv_bits, dense_block=dense_block)
     given = record_kv(cache) if record else None
     x = torch.tensor([ids])

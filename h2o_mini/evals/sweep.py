@@ -58,12 +58,12 @@ def finished(f, out: Path, kind: str, settings: dict) -> dict[tuple, list[dict]]
             continue
         try:
             row = json.loads(line)
+            if row.get("sweep") is None and "policy" in row and ("ppl" in row or "found" in row or "score" in row):
+                raise UserError(f"{out}:{n} was written by an older h2o-mini, which did not record a sweep's "
+                                "settings, so its rows cannot be safely reused: give another --out")
             row_kind, key = row.get("sweep"), _key(row)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise UserError(f"{out}:{n} is not a row of an h2o-mini sweep: give another --out") from None
-        if row_kind is None and isinstance(row, dict) and "policy" in row and ("ppl" in row or "found" in row):
-            raise UserError(f"{out}:{n} was written by an older h2o-mini, which did not record a sweep's settings, "
-                            "so its rows cannot be safely reused: give another --out")
         if row_kind != kind:
             raise UserError(f"{out}:{n} is a row of a{'n' if str(row_kind)[:1] in 'aeiou' else ''} {row_kind} sweep, "
                             f"not of this {kind} sweep: give another --out")

@@ -3,6 +3,7 @@
 from .api import generate, load, perplexity, stream
 from .config import Config
 from .errors import UserError
+from .record import Recording, record
 from .policies import (A2SF, H2O, REGISTRY, RKV, TOVA, VATP, Full, HeavyHitter, KeyDiff, KNorm, Local, PagedH2O, Policy,
                        PyramidKV, Scissorhands, Sinks, SnapKV, make_policy, param)
 
@@ -10,4 +11,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Config", "UserError", "Policy", "param", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O",
            "Sinks", "TOVA", "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV",
-           "load", "generate", "stream", "perplexity"]
+           "load", "generate", "stream", "perplexity", "record", "Recording"]

@@ -120,7 +120,8 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
         token = decoder.step(model, cache, token, step_pos + i).argmax(-1, keepdim=True)
     _sync(device)
     t2 = time.perf_counter()
-    return {"policy": policy.name, "budget": budget, "capacity": cache.capacity, "batch": batch,
+    return {"policy": policy.name, "params": policy.params(), "budget": budget, "capacity": cache.capacity,
+            "batch": batch,
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill": prefill, "same_prompt": same_prompt,
             "prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
             "decode_tok_s": rate(batch * (new_tokens - 1), t2 - t1), **kv_bytes(model, cache.nbytes),

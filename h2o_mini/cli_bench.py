@@ -80,5 +80,6 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
                  f"{status['stage']}")
         raise
     if plot_path and (lm.model.shard is None or lm.model.shard.rank == 0):  # one picture, from rank 0
-        save_bench_plot(rows, Path(plot_path), f"{lm.folder.name}: decoding under eviction")
+        save_bench_plot(rows, Path(plot_path), f"{lm.folder.name}: decoding under eviction, prompts from "
+                        f"{Path(text_path).name}, {new_tokens} new tokens")
         click.echo(f"wrote {plot_path}", err=True)

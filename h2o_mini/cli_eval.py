@@ -193,7 +193,7 @@ def needle(model, dtype, device, policies, budgets, recent, kv_bits, text_path, 
     if not as_json:
         click.echo(needle_table(cells))
     if plot_path:
-        save_needle_plot(cells, plot_path, lm.folder.name)
+        save_needle_plot(cells, plot_path, f"{lm.folder.name}: needle in {Path(text_path).name}")
 
 
 def needle_table(cells: list[dict]) -> str:
@@ -206,7 +206,7 @@ def needle_table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def save_needle_plot(cells: list[dict], out, model_name: str) -> None:
+def save_needle_plot(cells: list[dict], out, title: str) -> None:
     from .plot import save_heatmaps
     panels: dict[str, dict] = {}
     for c in cells:
@@ -214,4 +214,4 @@ def save_needle_plot(cells: list[dict], out, model_name: str) -> None:
         cell = panels.setdefault(label, {}).setdefault((c["depth"], c["length"]), [])
         cell.append(c["found"])
     shares = {label: {k: sum(v) / len(v) for k, v in grid.items()} for label, grid in panels.items()}
-    save_heatmaps(shares, Path(out), f"{model_name}: needle in a haystack")
+    save_heatmaps(shares, Path(out), title)

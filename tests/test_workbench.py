@@ -253,3 +253,26 @@ def test_eval_ppl_on_the_cli_takes_every_registered_policy(folder, name, capsys,
     row = json.loads(out)
     assert row["policy"] == name and row["params"] == make_policy(name, 12 if budget else None, 48).params()
     assert row["capacity"] == (12 if budget else 48)
+
+
+def test_a_per_layer_rule_runs_its_own_parameters_in_each_layer(tiny_model):
+    """`for_layer`: each layer's cache runs the policy the hook returns (here a wider window in layer 0)."""
+    from dataclasses import dataclass, replace
+    from h2o_mini.cache import KVCache
+    from h2o_mini.checkkit import reference_logits as hooks
+    from h2o_mini.policies.h2o import H2O
+
+    @dataclass(frozen=True)
+    class Deeper(H2O):
+        name = "deeper"
+
+        def for_layer(self, layer, n_layer):
+            return replace(self, heavy=self.heavy - 2, recent=self.recent + 2) if layer == 0 else self
+
+    model, ids = tiny_model("llama_gqa_tied"), text_bytes(40, 1200)
+    policy = Deeper(heavy=5, recent=5)
+    cache = KVCache(model.cfg, policy, 1, 40)
+    assert [lc.policy.recent for lc in cache.layers] == [7, 5]
+    got = fast_logits(model, ids, policy, steps(0, 40))
+    assert (got - hooks(model, ids, policy)).abs().max() <= 1e-4
+    assert (got - fast_logits(model, ids, H2O(heavy=5, recent=5), steps(0, 40))).abs().max() > 1e-3

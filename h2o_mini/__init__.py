@@ -1,5 +1,6 @@
 """h2o-mini: a small, exact, pure-PyTorch reference implementation of H2O KV-cache eviction
-(Zhang et al., 2023, arXiv 2306.14048) for OPT, LLaMA (GQA) and GPT-NeoX checkpoints."""
+(Zhang et al., 2023, arXiv 2306.14048) for OPT, LLaMA (GQA), GPT-NeoX, Qwen2, Qwen3, Mistral and Phi-3
+checkpoints."""
 from .api import generate, load, perplexity, stream
 from .config import Config
 from .errors import UserError

@@ -1,7 +1,7 @@
 """`h2o-mini check-policy SPEC`: proves a policy exact on every code path, whoever wrote it.
 
-The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX; seeded weights, no
-download), reads a real text through them under the policy, and compares every fast path of `cache.py`
+The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3; seeded weights,
+no download), reads a real text through them under the policy, and compares every fast path of `cache.py`
 (the decode step, stream prefill in chunks of 1/7/64, dense prefill in one block and in causal blocks of 7
 then decoding, a ragged left-padded batch in both prefill modes, the compiled step, keys and values stored
 at 8 and 4 bits) with `HookReference`: a naive cache that keeps every key and value and applies the rule one
@@ -33,6 +33,8 @@ FAMILIES = {  # tiny, but each with its family's quirks: GQA, learned positions 
                   d_embed=16, attn_bias=True, out_bias=True, mlp_bias=True),
     "neox": Config("gpt_neox", 256, 2, 4, 4, 32, 8, 48, 256, norm="layer", act="gelu", gated_mlp=False,
                    parallel_residual=True, rotary_dim=4, attn_bias=True, out_bias=True, mlp_bias=True),
+    # Qwen3: per-head q/k norms, head_dim 12 != 32 / 4, one KV head for four query heads
+    "qwen3": Config("qwen3", 256, 2, 4, 1, 32, 12, 48, 256, rotary_dim=12, qk_norm=True),
 }
 
 

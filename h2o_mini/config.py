@@ -1,8 +1,8 @@
-"""Model configuration: one dataclass for the three families, read from a Hugging Face `config.json`.
+"""Model configuration: one dataclass for every family, read from a Hugging Face `config.json`.
 
-The decoder in `model.py` is a single class; the differences between OPT, LLaMA and GPT-NeoX are the flags
-below (litgpt's approach). Weight-layout quirks (NeoX's fused QKV, OPT's position offset) live in
-`weights/hf.py`, not here.
+The decoder in `model.py` is a single class; the differences between OPT, LLaMA, GPT-NeoX and the
+LLaMA-shaped Qwen2, Qwen3, Mistral and Phi-3 are the flags below (litgpt's approach). Weight-layout quirks
+(NeoX's and Phi-3's fused matrices, OPT's position offset) live in `weights/hf.py`, not here.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .errors import UserError, note
 
 @dataclass(frozen=True)
 class Config:
-    family: str  # "llama" | "opt" | "gpt_neox"
+    family: str  # "llama" | "opt" | "gpt_neox" | "qwen2" | "qwen3" | "mistral" | "phi3" (LLaMA-shaped, own names)
     vocab_size: int
     n_layer: int
     n_head: int  # query heads
@@ -41,6 +41,7 @@ class Config:
     d_embed: int = 0  # OPT word_embed_proj_dim; project_in/out when it differs from d_model
     attn_bias: bool = False
     out_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before RoPE
     mlp_bias: bool = False
     tie_embeddings: bool = False
     bos_token_id: int | None = None
@@ -143,11 +144,15 @@ class Fields:
 def _rope(f: Fields) -> dict:
     """RoPE settings from either the transformers 4 keys (rope_theta, rope_scaling, rotary_pct) or the
     transformers 5 `rope_parameters` dict."""
-    params = dict(f.get("rope_scaling", dict, {}))
-    params.update(f.get("rope_parameters", dict, {}))
+    old, new = f.get("rope_scaling", dict, {}), f.get("rope_parameters", dict, {})
+    params = {**old, **new}
     p = Fields(params, f"{f.path} (rope parameters)")
     theta = p.positive("rope_theta", f.positive("rope_theta", f.positive("rotary_emb_base", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
+    # a scaling named by either style counts (a checkpoint may carry both, one of them "default")
+    kinds = {d.get("rope_type", d.get("type")) for d in (old, new)} - {None, "default"}
+    if len(kinds) > 1:
+        raise UserError(f"{f.path}: rope_scaling and rope_parameters name different rope types {sorted(kinds)}")
+    kind = kinds.pop() if kinds else "default"
     llama3 = None
     if kind == "llama3":
         llama3 = (p.positive("factor"), p.positive("low_freq_factor"), p.positive("high_freq_factor"),
@@ -168,18 +173,34 @@ def _head_dim(f: Fields, d: int, n_head: int, key: str | None = None) -> int:
     return d // n_head
 
 
-def _llama(f: Fields) -> Config:
+def _no_sliding_window(f: Fields) -> None:
+    """Sliding-window attention changes the math past the window; it is refused until the cache implements
+    docs/spec.md's sliding-window rule. A window at least as long as the model's positions is no window."""
+    window = f.hf.get("sliding_window")
+    positions = f.hf.get("max_position_embeddings") or 0
+    used = f.hf.get("use_sliding_window", True) is not False
+    if used and window is not None and not (isinstance(window, int) and window >= positions):
+        raise UserError(f"{f.path}: sliding-window attention (sliding_window={window!r}) is not supported yet")
+
+
+def _llama(f: Fields, family: str = "llama", attn_bias: bool | None = None, out_bias: bool | None = None,
+           qk_norm: bool = False) -> Config:
+    """LLaMA and the families that are LLaMA with a difference (`_READERS`)."""
     n_head, d = f.count("num_attention_heads"), f.count("hidden_size")
     head_dim = _head_dim(f, d, n_head, "head_dim")
     rope = _rope(f)
     bias = f.get("attention_bias", bool, False)
+    attn_bias, out_bias = bias if attn_bias is None else attn_bias, bias if out_bias is None else out_bias
+    if family != "llama":
+        _no_sliding_window(f)
     return Config(
-        family="llama", vocab_size=f.count("vocab_size"), n_layer=f.count("num_hidden_layers"), n_head=n_head,
+        family=family, vocab_size=f.count("vocab_size"), n_layer=f.count("num_hidden_layers"), n_head=n_head,
         n_kv_head=f.count("num_key_value_heads", n_head), d_model=d, head_dim=head_dim,
         d_ff=f.count("intermediate_size"), max_seq_len=f.count("max_position_embeddings", 2048),
         norm="rms", norm_eps=f.positive("rms_norm_eps", 1e-6), act=_act(f.get("hidden_act", str, "silu")),
         gated_mlp=True, rotary_dim=int(head_dim * rope["share"]), rope_theta=rope["rope_theta"],
-        rope_llama3=rope["rope_llama3"], attn_bias=bias, out_bias=bias, mlp_bias=f.get("mlp_bias", bool, False),
+        rope_llama3=rope["rope_llama3"], attn_bias=attn_bias, out_bias=out_bias, qk_norm=qk_norm,
+        mlp_bias=f.get("mlp_bias", bool, False),
         tie_embeddings=f.get("tie_word_embeddings", bool, False), bos_token_id=f.token_id("bos_token_id"),
         eos_token_id=f.token_ids("eos_token_id"),
     )
@@ -228,7 +249,13 @@ def _act(name: str) -> str:
     return acts[name]
 
 
-_READERS = {"llama": _llama, "opt": _opt, "gpt_neox": _neox}
+_READERS = {
+    "llama": _llama, "opt": _opt, "gpt_neox": _neox,
+    "qwen2": lambda f: _llama(f, "qwen2", attn_bias=True, out_bias=False),  # biases on q, k, v only
+    "qwen3": lambda f: _llama(f, "qwen3", qk_norm=True),  # per-head q/k RMSNorm; head_dim given explicitly
+    "mistral": lambda f: _llama(f, "mistral"),  # LLaMA (v0.2+: no sliding window)
+    "phi3": lambda f: _llama(f, "phi3"),  # fused qkv_proj and gate_up_proj, split in weights/hf.py
+}
 
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:

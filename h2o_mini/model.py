@@ -1,4 +1,5 @@
-"""One decoder-only Transformer for the OPT, LLaMA and GPT-NeoX families.
+"""One decoder-only Transformer for the OPT, LLaMA and GPT-NeoX families (and the LLaMA-shaped Qwen2, Qwen3
+with its per-head q/k norm, Mistral and Phi-3).
 
 The families differ only in flags of `Config` (litgpt's approach): the norm (RMSNorm / LayerNorm), the MLP
 (SwiGLU / ReLU / GELU), the residual wiring (sequential / NeoX parallel / OPT-350m post-norm), the position
@@ -56,6 +57,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.n_head * hd, d, bias=cfg.out_bias)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None  # Qwen3
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
         B, T, _ = x.shape
@@ -63,6 +66,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.wk(x).view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
         v = self.wv(x).view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        if self.q_norm is not None:  # over each head's channels, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # keys are cached after RoPE at their original position: never re-rotated
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is None:

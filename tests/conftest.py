@@ -43,6 +43,14 @@ def _neox(**kw):
     return GPTNeoXConfig(**{**base, **kw})
 
 
+def _family(config_name: str, **kw):
+    """A LLaMA-shaped family's tiny config (Qwen2, Qwen3, Mistral, Phi-3)."""
+    import transformers
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    return getattr(transformers, config_name)(**{**base, **kw})
+
+
 # name -> config factory; the parity tests cover every entry
 TINY = {
     "llama_mha": lambda: _llama(),
@@ -54,9 +62,16 @@ TINY = {
     "opt_post_ln_350m_style": lambda: _opt(do_layer_norm_before=False, word_embed_proj_dim=32),
     "neox_parallel": lambda: _neox(rotary_pct=0.25, use_parallel_residual=True),
     "neox_sequential": lambda: _neox(rotary_pct=0.5, use_parallel_residual=False),
+    "qwen2_bias": lambda: _family("Qwen2Config", use_sliding_window=False, tie_word_embeddings=True),
+    # head_dim 24 != 64 / 4, one KV head: the per-head q/k norms see 24 channels
+    "qwen3_qknorm": lambda: _family("Qwen3Config", head_dim=24, num_key_value_heads=1, use_sliding_window=False),
+    "mistral_no_window": lambda: _family("MistralConfig", sliding_window=None),
+    "phi3_partial_rotary": lambda: _family("Phi3Config", partial_rotary_factor=0.5, sliding_window=None,
+                                           pad_token_id=0),
 }
-# One per family for the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX.
-FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel"]
+# For the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX, and Qwen3 (per-head q/k norm, head_dim
+# not d_model / n_head, one KV head).
+FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel", "qwen3_qknorm"]
 
 
 def seeded_weights_(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:

@@ -65,3 +65,36 @@ def test_sharded_checkpoint_loads(tiny, tmp_path):
     with torch.no_grad():
         want = hf(ids).logits
     assert (load_hf(tmp_path)(ids, torch.arange(40)[None]) - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name,edit,needle", [
+    ("mistral_no_window", {"sliding_window": 16}, "sliding-window attention (sliding_window=16) is not supported yet"),
+    ("qwen2_bias", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
+    ("phi3_partial_rotary", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "unsupported rope type 'longrope'"),
+    ("qwen3_qknorm", {"model_type": "gemma9"}, "supported: llama, opt, gpt_neox, qwen2, qwen3, mistral, phi3"),
+])
+def test_what_a_family_does_not_implement_is_refused_by_name(tiny, tmp_path, name, edit, needle):
+    import json
+    import shutil
+    from h2o_mini.config import Config
+    from h2o_mini.errors import UserError
+    folder = tmp_path / name
+    shutil.copytree(tiny(name)[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(UserError, match=None) as e:
+        Config.from_hf(folder)
+    assert needle in str(e.value)
+
+
+def test_a_window_as_long_as_the_positions_is_no_window(tiny, tmp_path):
+    """Phi-4-mini's sliding_window (262144) outlasts its positions: read as no window, not refused."""
+    import json
+    import shutil
+    from h2o_mini.config import Config
+    folder = tmp_path / "phi"
+    shutil.copytree(tiny("phi3_partial_rotary")[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
+    assert Config.from_hf(folder).family == "phi3"

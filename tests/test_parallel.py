@@ -21,7 +21,7 @@ from .conftest import GPL3, TEST_DEVICE, add_byte_tokenizer, text_bytes
 from .test_cli import run
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not dist.is_available(), reason="gloo on CPU")
-FAMILIES = ["llama_mha", "llama_gqa_tied", "opt_pre_ln_proj", "neox_parallel"]  # 4, 2, 4, 4 KV heads
+FAMILIES = ["llama_mha", "llama_gqa_tied", "opt_pre_ln_proj", "neox_parallel", "qwen2_bias"]  # 4, 2, 4, 4, 2 KV heads
 T, C, N = 40, 9, 26  # tokens, capacity, dense prompt
 IDS = text_bytes(T, offset=3000)
 # not the GPL's first bytes: its run of spaces gives KeyDiff exact ties that rounding breaks either way

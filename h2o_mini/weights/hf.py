@@ -32,6 +32,17 @@ NAME_MAPS = {
         (_LAYER.format("layers") + r"input_layernorm\.weight", r"layers.\1.norm1.weight"),
         (_LAYER.format("layers") + r"post_attention_layernorm\.weight", r"layers.\1.norm2.weight"),
     ],
+    "phi3": [
+        (r"(?:model\.)?embed_tokens\.weight", "tok_emb.weight"),
+        (r"(?:model\.)?norm\.weight", "norm_f.weight"),
+        (r"lm_head\.weight", "lm_head.weight"),
+        (_LAYER.format("layers") + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.wqkv_split.weight"),
+        (_LAYER.format("layers") + r"self_attn\.o_proj\.weight", r"layers.\1.attn.wo.weight"),
+        (_LAYER.format("layers") + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.w_gate_up.weight"),
+        (_LAYER.format("layers") + r"mlp\.down_proj\.weight", r"layers.\1.mlp.w_down.weight"),
+        (_LAYER.format("layers") + r"input_layernorm\.weight", r"layers.\1.norm1.weight"),
+        (_LAYER.format("layers") + r"post_attention_layernorm\.weight", r"layers.\1.norm2.weight"),
+    ],
     "opt": [
         (r"(?:model\.)?decoder\.embed_tokens\.weight", "tok_emb.weight"),
         (r"(?:model\.)?decoder\.embed_positions\.weight", "pos_emb.weight"),
@@ -56,6 +67,10 @@ NAME_MAPS = {
         (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_4h_to_h\.(weight|bias)", r"layers.\1.mlp.w_down.\2"),
     ],
 }
+# LLaMA's names, and Qwen3's per-head query/key norms
+NAME_MAPS["qwen2"] = NAME_MAPS["mistral"] = NAME_MAPS["llama"]
+NAME_MAPS["qwen3"] = NAME_MAPS["llama"] + [
+    (_LAYER.format("layers") + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.attn.\2_norm.weight")]
 # Old GPT-NeoX checkpoints saved these buffers; they are recomputed, not weights.
 _BUFFERS = re.compile(r".*\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
 
@@ -125,6 +140,15 @@ def rename(cfg: Config, name: str, tensor: torch.Tensor) -> list[tuple[str, torc
         per_head = tensor.view(cfg.n_head, 3, cfg.head_dim, *tensor.shape[1:])
         return [(target.replace("wqkv", f"w{part}"), per_head[:, j].reshape(-1, *tensor.shape[1:]))
                 for j, part in enumerate("qkv")]
+    if target.endswith(".attn.wqkv_split.weight"):  # Phi-3: rows are [q (all heads) | k | v]
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        if tensor.shape[0] != q + 2 * kv:
+            raise UserError(f"tensor {name} has shape {tuple(tensor.shape)}, not a fused QKV of this config")
+        return [(target.replace("wqkv_split", f"w{part}"), t) for part, t in zip("qkv", tensor.split([q, kv, kv]))]
+    if target.endswith(".mlp.w_gate_up.weight"):  # Phi-3: rows are [gate | up]
+        if tensor.shape[0] != 2 * cfg.d_ff:
+            raise UserError(f"tensor {name} has shape {tuple(tensor.shape)}, not a fused gate/up of this config")
+        return [(target.replace("w_gate_up", part), t) for part, t in zip(("w_gate", "w_up"), tensor.chunk(2))]
     return [(target, tensor)]
 
 

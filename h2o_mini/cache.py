@@ -33,8 +33,11 @@ class LayerCache:
     """One layer's C slots per (row, KV head), and the eviction mechanics over them."""
 
     def __init__(self, cfg: Config, policy: Policy, batch: int, capacity: int, dtype, device, dense_block: int,
-                 token_fn, kv_bits: int | None = None):
+                 token_fn, kv_bits: int | None = None, window: int | None = None):
+        """window: a sliding-window layer's W (docs/spec.md): tokens with p <= t - W are dead, evicted before
+        any live one and never attended; the caller gives it at most W slots."""
         self.policy, self.capacity, self.dense_block, self.token_fn = policy, capacity, dense_block, token_fn
+        self.window = window
         self.scale = cfg.head_dim ** -0.5
         self.codec = codec(kv_bits, cfg.head_dim, dtype)
         shape = (batch, cfg.n_kv_head, capacity)
@@ -69,7 +72,10 @@ class LayerCache:
         t = pos[:, :, None]  # (B, 1, 1): every row has a real token here
         keys = self.keys() if policy.needs_keys else None
         values = self.codec.decode(self.v) if policy.needs_values else None
-        keep = keep_score(policy, self.score, self.pos, t, keys, values).masked_fill(self.pos < 0, -torch.inf)  # (B, H, C)
+        dead = self.pos < 0  # empty slots, and on a sliding layer the tokens that left its window
+        if self.window is not None:
+            dead = dead | (self.pos <= t - self.window)
+        keep = keep_score(policy, self.score, self.pos, t, keys, values).masked_fill(dead, -torch.inf)  # (B, H, C)
         lowest = keep.amin(-1, keepdim=True)
         oldest_of_lowest = torch.where(keep == lowest, self.pos, torch.iinfo(torch.int64).max)
         slot = oldest_of_lowest.argmin(-1, keepdim=True)  # (B, H, 1): the slot token t overwrites
@@ -77,7 +83,8 @@ class LayerCache:
         scatter_slots_(self.v, slot, v)
         self.pos.scatter_(2, slot, t.expand_as(slot))
         self.score.scatter_(2, slot, policy.insert_score(self.codec.decode(k)))
-        attended = (self.pos >= 0)[:, :, None, :]  # (B, H, 1, C)
+        live = self.pos >= 0 if self.window is None else (self.pos >= 0) & (self.pos > t - self.window)
+        attended = live[:, :, None, :]  # (B, H, 1, C)
         out, probs = self._attention(q, self.keys(), self.codec.decode(self.v), attended, policy.needs_scores)
         if policy.needs_scores:
             self.score.copy_(policy.accumulate(self.score, probs, attended))
@@ -107,7 +114,10 @@ class LayerCache:
         valid = pos >= 0  # (B, T) left padding is invalid
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         # padding queries see themselves so no softmax row is empty; they are dropped below
-        mask = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=q.device)  # (B, T, T)
+        mask = causal & valid[:, None, :]  # (B, T, T)
+        if self.window is not None:  # a sliding layer's queries see the last W positions only
+            mask = mask & ((pos[:, :, None] - pos[:, None, :]) < self.window)
+        mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)
         # Only the last `prompt_window` queries (all, by default) shape the scores; rows end together at T - 1.
         first_scored = T - min(T, policy.prompt_window or T)
         scored_query = valid & (torch.arange(T, device=q.device) >= first_scored)  # (B, T)
@@ -136,6 +146,8 @@ class LayerCache:
         keys, values = (k if policy.needs_keys else None), (v if policy.needs_values else None)
         keep = keep_score(policy, score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, keys, values)
         keep = keep.masked_fill(~valid[:, None, :], -torch.inf)
+        if self.window is not None:  # chosen among the tokens still inside the last position's window
+            keep = keep.masked_fill(prompt_pos <= t_last - self.window, -torch.inf)
         n = min(C, T)
         # the n highest keep-scores, ties to the newest (flip: a stable sort keeps the earlier = newer first)
         ranked = keep.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :n]
@@ -173,6 +185,8 @@ class LayerCache:
         keys, values = (vk if self.policy.needs_keys else None), (vv if self.policy.needs_values else None)
         for i in range(K):
             t, ok = pos[:, i, None, None], pos[:, i, None, None] >= 0  # (B, 1, 1); padding: ok is False
+            if self.window is not None:  # dead tokens: not attended, evicted first (as empty slots are)
+                alive = alive & (vpos > t - self.window)
             vscore, alive, member, probs[:, :, :, i] = self.token_fn(self.policy, vscore, vpos, alive, member,
                                                                      logits[:, :, :, i], t, ok, slots, keys, values)
         out = probs.to(vv.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
@@ -229,8 +243,9 @@ class KVCache:
         device = torch.get_default_device() if device is None else device
         self.policy, self.length = policy, length
         self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it
-        self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), batch, policy.layer_capacity(i, cfg.n_layer,
-                                  length), dtype, device, dense_block, token_fn, kv_bits) for i in range(cfg.n_layer)]
+        self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), batch,
+                                  min(policy.layer_capacity(i, cfg.n_layer, length), cfg.window(i) or length), dtype,
+                                  device, dense_block, token_fn, kv_bits, cfg.window(i)) for i in range(cfg.n_layer)]
         self.kv_bits = self.layers[0].codec.bits
 
     @property

@@ -1,7 +1,7 @@
 """`h2o-mini check-policy SPEC`: proves a policy exact on every code path, whoever wrote it.
 
-The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3; seeded weights,
-no download), reads a real text through them under the policy, and compares every fast path of `cache.py`
+The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3, and a hybrid
+model with a sliding-window layer; seeded weights, no download), reads a real text through them under the policy, and compares every fast path of `cache.py`
 (the decode step, stream prefill in chunks of 1/7/64, dense prefill in one block and in causal blocks of 7
 then decoding, a ragged left-padded batch in both prefill modes, the compiled step, keys and values stored
 at 8 and 4 bits) with `HookReference`: a naive cache that keeps every key and value and applies the rule one
@@ -35,6 +35,8 @@ FAMILIES = {  # tiny, but each with its family's quirks: GQA, learned positions 
                    parallel_residual=True, rotary_dim=4, attn_bias=True, out_bias=True, mlp_bias=True),
     # Qwen3: per-head q/k norms, head_dim 12 != 32 / 4, one KV head for four query heads
     "qwen3": Config("qwen3", 256, 2, 4, 1, 32, 12, 48, 256, rotary_dim=12, qk_norm=True),
+    # hybrid local/global: layer 0 attends to its last 6 positions only (docs/spec.md, sliding-window layers)
+    "hybrid": Config("qwen2", 256, 2, 4, 2, 32, 8, 48, 256, rotary_dim=8, attn_bias=True, windows=(6, None)),
 }
 
 
@@ -56,7 +58,8 @@ class HookReference:
     def __init__(self, cfg: Config, policy: Policy, length: int, kv_bits: int | None = None, given_kv=None):
         self.cfg, self.length, self.given = cfg, length, given_kv
         self.policies = [policy.for_layer(i, cfg.n_layer) for i in range(cfg.n_layer)]
-        self.caps = [policy.layer_capacity(i, cfg.n_layer, length) for i in range(cfg.n_layer)]
+        self.windows = [cfg.window(i) for i in range(cfg.n_layer)]  # sliding layers: p <= t - W is dead
+        self.caps = [min(policy.layer_capacity(i, cfg.n_layer, length), w or length) for i, w in enumerate(self.windows)]
         self.codec = codec(kv_bits, cfg.head_dim, torch.float32)
         # per layer: keys, values (n_kv_head, n, hd), positions (n,); per KV head: the cached mask and scores (n,)
         self.state = [None] * cfg.n_layer
@@ -82,8 +85,11 @@ class HookReference:
         t = int(pos[0, 0])
         out = torch.empty_like(q)
         cached, score = st["cached"], st["score"]
+        W = self.windows[layer]
         if int(cached[0].sum()) == self.caps[layer]:  # 1. evict exactly one (every head holds the same count)
             keep = self._keep(policy, st, cached, score, t)  # (H, n)
+            if W:  # a dead token goes before any live one, the oldest first
+                keep = keep.masked_fill(st["P"] <= t - W, -torch.inf)
             keep = keep.masked_fill(~cached, torch.inf)
             lowest = keep.amin(-1, keepdim=True)
             victim = torch.where(keep == lowest, st["P"], torch.iinfo(torch.long).max).argmin(-1)  # oldest of lowest
@@ -93,12 +99,13 @@ class HookReference:
         st["P"] = torch.cat([st["P"], torch.tensor([t])])
         cached = torch.cat([cached, torch.ones(H, 1, dtype=torch.bool)], 1)
         score = torch.cat([score, policy.insert_score(k[None])[0]], 1)
+        seen = cached & (st["P"] > t - W) if W else cached  # (H, n): what attention reads
         for h in range(H):  # 3. attend over exactly the cached tokens, fp32
             logits = (q[0, h * g:(h + 1) * g, 0].float() @ st["K"][h].T) * self.cfg.head_dim ** -0.5  # (g, n)
-            p = logits.masked_fill(~cached[h], -torch.inf).softmax(-1)
+            p = logits.masked_fill(~seen[h], -torch.inf).softmax(-1)
             out[0, h * g:(h + 1) * g, 0] = (p @ st["V"][h]).to(q.dtype)
             if policy.needs_scores:  # 4. the policy's update, one query
-                score[h] = policy.update(score[h][None, None], p.sum(0)[None, None], cached[h][None, None])[0, 0]
+                score[h] = policy.update(score[h][None, None], p.sum(0)[None, None], seen[h][None, None])[0, 0]
         st["cached"], st["score"] = cached, score
         return out
 
@@ -114,7 +121,10 @@ class HookReference:
         out = torch.empty_like(q)
         score = policy.insert_score(k[None])[0]  # (H, T)
         first = T_ - min(T_, policy.prompt_window or T_)
-        causal = torch.ones(T_, T_, dtype=torch.bool).tril()
+        W = self.windows[layer]
+        causal = torch.ones(T_, T_, dtype=torch.bool).tril()  # and, on a sliding layer, within the window
+        if W:
+            causal &= (torch.arange(T_)[:, None] - torch.arange(T_)[None, :]) < W
         for h in range(H):
             logits = (q[0, h * g:(h + 1) * g].float() @ k[h].T) * self.cfg.head_dim ** -0.5  # (g, T, T)
             p = logits.masked_fill(~causal, -torch.inf).softmax(-1)
@@ -128,6 +138,8 @@ class HookReference:
         keys = k[None] if policy.needs_keys else None
         extra = {"values": v[None]} if policy.needs_values else {}
         keep = policy.keep_score(score[None], P.expand(H, T_)[None], torch.tensor(T_ - 1), keys, **extra)[0]
+        if W:  # chosen among the tokens still inside the last position's window
+            keep = keep.masked_fill(P <= T_ - 1 - W, -torch.inf)
         n = min(self.caps[layer], T_)
         cached = torch.zeros(H, T_, dtype=torch.bool)
         for h in range(H):  # the n highest keep-scores, ties to the newest

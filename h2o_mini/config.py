@@ -42,10 +42,15 @@ class Config:
     attn_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+    windows: tuple[int | None, ...] = ()  # per layer: a sliding window W, or None (global); () = all global
     mlp_bias: bool = False
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window W (it attends to positions p > t - W), or None for a global layer."""
+        return self.windows[layer] if self.windows else None
 
     @property
     def group(self) -> int:
@@ -173,14 +178,29 @@ def _head_dim(f: Fields, d: int, n_head: int, key: str | None = None) -> int:
     return d // n_head
 
 
-def _no_sliding_window(f: Fields) -> None:
-    """Sliding-window attention changes the math past the window; it is refused until the cache implements
-    docs/spec.md's sliding-window rule. A window at least as long as the model's positions is no window."""
-    window = f.hf.get("sliding_window")
-    positions = f.hf.get("max_position_embeddings") or 0
-    used = f.hf.get("use_sliding_window", True) is not False
-    if used and window is not None and not (isinstance(window, int) and window >= positions):
-        raise UserError(f"{f.path}: sliding-window attention (sliding_window={window!r}) is not supported yet")
+def _windows(f: Fields, n_layer: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (docs/spec.md, "Sliding-window layers"), from transformers 5's `layer_types`
+    or the older keys: `sliding_window` on every layer (Mistral v0.1, Phi-3), or, for Qwen2/3 with
+    `use_sliding_window`, on the layers from `max_window_layers` on. () when no layer has one; a window at
+    least as long as the model's positions is no window."""
+    window = f.get("sliding_window", int, None)
+    if f.hf.get("use_sliding_window") is False or window is None or window >= f.hf.get("max_position_embeddings", 2**31):
+        return ()
+    if window < 1:
+        raise UserError(f"{f.path}: 'sliding_window' is {window}, expected a positive window")
+    types = f.hf.get("layer_types")
+    if types is not None:
+        if not (isinstance(types, list) and len(types) == n_layer
+                and set(types) <= {"sliding_attention", "full_attention"}):
+            raise UserError(f"{f.path}: 'layer_types' must list sliding_attention or full_attention for each of the "
+                            f"{n_layer} layers")
+        sliding = [t == "sliding_attention" for t in types]
+    elif f.hf.get("use_sliding_window"):
+        first = f.count("max_window_layers", 0, low=0)
+        sliding = [i >= first for i in range(n_layer)]
+    else:
+        sliding = [True] * n_layer
+    return tuple(window if s else None for s in sliding) if any(sliding) else ()
 
 
 def _llama(f: Fields, family: str = "llama", attn_bias: bool | None = None, out_bias: bool | None = None,
@@ -191,8 +211,6 @@ def _llama(f: Fields, family: str = "llama", attn_bias: bool | None = None, out_
     rope = _rope(f)
     bias = f.get("attention_bias", bool, False)
     attn_bias, out_bias = bias if attn_bias is None else attn_bias, bias if out_bias is None else out_bias
-    if family != "llama":
-        _no_sliding_window(f)
     return Config(
         family=family, vocab_size=f.count("vocab_size"), n_layer=f.count("num_hidden_layers"), n_head=n_head,
         n_kv_head=f.count("num_key_value_heads", n_head), d_model=d, head_dim=head_dim,
@@ -200,6 +218,7 @@ def _llama(f: Fields, family: str = "llama", attn_bias: bool | None = None, out_
         norm="rms", norm_eps=f.positive("rms_norm_eps", 1e-6), act=_act(f.get("hidden_act", str, "silu")),
         gated_mlp=True, rotary_dim=int(head_dim * rope["share"]), rope_theta=rope["rope_theta"],
         rope_llama3=rope["rope_llama3"], attn_bias=attn_bias, out_bias=out_bias, qk_norm=qk_norm,
+        windows=_windows(f, f.count("num_hidden_layers")) if family != "llama" else (),
         mlp_bias=f.get("mlp_bias", bool, False),
         tie_embeddings=f.get("tie_word_embeddings", bool, False), bos_token_id=f.token_id("bos_token_id"),
         eos_token_id=f.token_ids("eos_token_id"),
@@ -253,7 +272,7 @@ _READERS = {
     "llama": _llama, "opt": _opt, "gpt_neox": _neox,
     "qwen2": lambda f: _llama(f, "qwen2", attn_bias=True, out_bias=False),  # biases on q, k, v only
     "qwen3": lambda f: _llama(f, "qwen3", qk_norm=True),  # per-head q/k RMSNorm; head_dim given explicitly
-    "mistral": lambda f: _llama(f, "mistral"),  # LLaMA (v0.2+: no sliding window)
+    "mistral": lambda f: _llama(f, "mistral"),  # LLaMA, with a sliding window on every layer in v0.1
     "phi3": lambda f: _llama(f, "phi3"),  # fused qkv_proj and gate_up_proj, split in weights/hf.py
 }
 

@@ -49,9 +49,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Config, shard: Shard | None = None):
+    def __init__(self, cfg: Config, shard: Shard | None = None, window: int | None = None):
         super().__init__()
         self.cfg, self.shard = cfg, shard  # under tensor parallel: this rank's heads only (parallel.py)
+        self.window = window  # a sliding-window layer attends to positions p > t - window (the cache knows too)
         d, hd = cfg.d_model, cfg.head_dim
         self.wq = nn.Linear(d, cfg.n_head * hd, bias=cfg.attn_bias)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
@@ -71,17 +72,20 @@ class Attention(nn.Module):
         if rope is not None:  # keys are cached after RoPE at their original position: never re-rotated
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is None:
-            out = causal_attention(q, k, v, pos)
+            out = causal_attention(q, k, v, pos, self.window)
         else:
             out = cache.attend(q, k, v, pos, mode)  # (B, n_head, T, hd): this layer's `cache.LayerCache`
         return all_reduce(self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim)), self.shard)
 
 
-def causal_attention(q, k, v, pos) -> torch.Tensor:
-    """Plain causal attention over the whole sequence (no cache); padding (pos < 0) is never attended."""
+def causal_attention(q, k, v, pos, window: int | None = None) -> torch.Tensor:
+    """Plain causal attention over the whole sequence (no cache); padding (pos < 0) is never attended; with a
+    sliding `window`, query t sees positions p > t - window only."""
     T = q.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
     mask = causal & (pos >= 0)[:, None, None, :]  # (B, 1, T, T)
+    if window is not None:
+        mask = mask & ((pos[:, :, None] - pos[:, None, :]) < window)[:, None]
     mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)  # padding queries see themselves: no NaN
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -105,10 +109,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, shard: Shard | None = None):
+    def __init__(self, cfg: Config, shard: Shard | None = None, window: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.norm1, self.attn = make_norm(cfg), Attention(cfg, shard)
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg, shard, window)
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg, shard)
 
     def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
@@ -134,7 +138,7 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.learned_pos else None
         self.proj_in = nn.Linear(d_embed, cfg.d_model, bias=False) if d_embed != cfg.d_model else None
         self.proj_out = nn.Linear(cfg.d_model, d_embed, bias=False) if d_embed != cfg.d_model else None
-        self.layers = nn.ModuleList(Block(cfg, shard) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, shard, cfg.window(i)) for i in range(cfg.n_layer))
         self.norm_f = make_norm(cfg) if cfg.final_norm else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d_embed, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg) if cfg.rotary_dim else None, persistent=False)

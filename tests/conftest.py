@@ -68,10 +68,14 @@ TINY = {
     "mistral_no_window": lambda: _family("MistralConfig", sliding_window=None),
     "phi3_partial_rotary": lambda: _family("Phi3Config", partial_rotary_factor=0.5, sliding_window=None,
                                            pad_token_id=0),
+    # sliding windows shorter than the test texts: on every layer, and hybrid (a global layer every third)
+    "mistral_window": lambda: _family("MistralConfig", sliding_window=5),
+    "qwen2_hybrid": lambda: _family("Qwen2Config", use_sliding_window=True, sliding_window=5, num_hidden_layers=3,
+                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
-# For the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX, and Qwen3 (per-head q/k norm, head_dim
-# not d_model / n_head, one KV head).
-FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel", "qwen3_qknorm"]
+# For the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX, Qwen3 (per-head q/k norm, head_dim
+# not d_model / n_head, one KV head), and a hybrid model (window 5 on two layers of three).
+FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel", "qwen3_qknorm", "qwen2_hybrid"]
 
 
 def seeded_weights_(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:

@@ -61,7 +61,9 @@ class ReferenceCache:
         matmul that made it summed in another order (a chunk rather than one token), so the quantized
         comparison rounds the *same* tensors on both sides; everything else is still computed here."""
         self.policy, self.g, self.bits, self.given = policy, cfg.group, kv_bits, given_kv
-        self.caps = layer_capacities(policy, cfg.n_layer, length)
+        # a sliding-window layer (docs/spec.md) holds at most W tokens; a token with p <= t - W is dead
+        self.windows = [cfg.window(i) for i in range(cfg.n_layer)]
+        self.caps = [min(c, w or c) for c, w in zip(layer_capacities(policy, cfg.n_layer, length), self.windows)]
         self.scale = cfg.head_dim ** -0.5
         # per layer: every K/V/position ever seen; per KV head: the cached indices and their scores, and for
         # scissorhands the list of important/not verdicts of every query since the token arrived
@@ -87,23 +89,27 @@ class ReferenceCache:
         st["P"].append(t)
         new = len(st["P"]) - 1
         out = torch.empty_like(q)
+        W = self.windows[layer]
+        live = (lambda j: st["P"][j] > t - W) if W else (lambda j: True)  # noqa: E731
         for h, cached in enumerate(st["cached"]):
             score, hist = st["score"][h], st["hist"][h]
-            if len(cached) == C:  # 1. evict exactly one
-                victim = self._victim(cached, score, hist, st, h, t)
+            if len(cached) == C:  # 1. evict exactly one: a dead token (the oldest) if any, else the policy's
+                dead = [j for j in cached if not live(j)]
+                victim = min(dead, key=lambda j: st["P"][j]) if dead else self._victim(cached, score, hist, st, h, t)
                 cached.remove(victim)
                 del score[victim]
             cached.append(new)  # 2. insert
             score[new] = self._knorm(st["K"][new][h]) if name == "knorm" else 0.0
             hist[new] = []
-            keys = torch.stack([st["K"][j][h] for j in cached]).float()
-            vals = torch.stack([st["V"][j][h] for j in cached]).float()
-            group = [0.0] * len(cached)
-            for qh in range(h * self.g, (h + 1) * self.g):  # 3. attend over exactly the cached tokens
+            seen = [j for j in cached if live(j)]
+            keys = torch.stack([st["K"][j][h] for j in seen]).float()
+            vals = torch.stack([st["V"][j][h] for j in seen]).float()
+            group = [0.0] * len(seen)
+            for qh in range(h * self.g, (h + 1) * self.g):  # 3. attend over exactly the cached live tokens
                 p = (q[0, qh, 0].float() @ keys.T * self.scale).softmax(-1)
                 out[0, qh, 0] = (p @ vals).to(q.dtype)
                 group = [a + b for a, b in zip(group, p.tolist())]
-            self._update(cached, score, hist, group)  # 4. the policy's score update
+            self._update(seen, score, hist, group)  # 4. the policy's score update, over what was attended
         return out
 
     def _update(self, cached, score, hist, group):
@@ -179,12 +185,17 @@ class ReferenceCache:
         st["K"] = list(k[0].transpose(0, 1))  # (H, hd) per token
         st["V"] = list(v[0].transpose(0, 1))
         st["P"] = pos[0].tolist()
+        W = self.windows[layer]
+        sees = torch.ones(T, T, dtype=torch.bool).tril()  # [query i, token j]: causal, and within the window
+        if W:
+            sees &= (torch.arange(T)[:, None] - torch.arange(T)[None, :]) < W
+        among = [j for j in range(T) if not W or j > T - 1 - W]  # the tokens still live at the last position
         for h, cached in enumerate(st["cached"]):
             assert not cached, "dense prefill starts from an empty cache"
             group = torch.zeros(T, T)  # [query i, token j]: attention summed over the group's heads
             for qh in range(h * self.g, (h + 1) * self.g):
                 logits = (q[0, qh].float() @ k[0, h].float().T) * self.scale
-                p = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf).softmax(-1)
+                p = logits.masked_fill(~sees, -torch.inf).softmax(-1)
                 out[0, qh] = (p @ v[0, h].float()).to(q.dtype)
                 group += p
             if name in ("snapkv", "pyramidkv"):  # the observation window's queries, then max-pooled
@@ -201,24 +212,26 @@ class ReferenceCache:
                     s = [self.policy.gamma * s[j] + group[i, j].item() for j in range(T)]
             else:
                 s = group.sum(0).tolist()  # s_j: summed over all prompt queries (and the group's heads)
-            hist = {j: [group[i, j].item() >= group[i, :i + 1].sum().item() / (i + 1) for i in range(j, T)]
-                    for j in range(T)} if name == "scissorhands" else {j: [] for j in range(T)}
-            keep = self._dense_keep(s, hist, st, h, T, C)
+            hist = {j: [sees[i, j].item() and group[i, j].item() >= group[i].sum().item() / sees[i].sum().item()
+                        for i in range(j, T)] for j in range(T)} if name == "scissorhands" else {j: [] for j in range(T)}
+            keep = self._dense_keep(s, hist, st, h, T, C, among)
             st["cached"][h] = sorted(keep)
             st["score"][h] = {j: s[j] for j in keep}
             st["hist"][h] = {j: hist[j] for j in keep}
         return out
 
-    def _dense_keep(self, s, hist, st, h, T, C):
-        """The prompt tokens to keep (indices): the spec's rule for the four of the spec, else each rule."""
-        name, newest_first = self.policy.name, list(range(T - 1, -1, -1))
-        if T <= C or name == "full":
-            return list(range(T))
+    def _dense_keep(self, s, hist, st, h, T, C, among):
+        """The prompt tokens to keep (indices), chosen among `among` (on a sliding layer the tokens still inside
+        the last position's window; else all): the spec's rule for the four of the spec, else each rule. Rules
+        across tokens (KeyDiff's anchor, a page's sum, R-KV's mean) read every prompt token, as the cache does."""
+        name, newest_first = self.policy.name, among[::-1]
+        if len(among) <= C or name == "full":
+            return newest_first[:C][::-1]
         if name == "local":
             return newest_first[:C]
         if name == "sinks":
             sink = self.policy.sink
-            return sorted(range(T), key=lambda j: (j >= sink, -j))[:C]
+            return sorted(among, key=lambda j: (j >= sink, -j))[:C]
         best = lambda js, f: sorted(js, key=lambda j: (-f(j), -j))  # noqa: E731  ties: keep the newer
         if name in WINDOWED:
             r = getattr(self.policy, WINDOWED[name])
@@ -228,8 +241,8 @@ class ReferenceCache:
             return newest_first[:r] + best(newest_first[r:], rank)[:C - r]
         if name == "keydiff":
             sim = self._similarity(st["K"], range(T), h)
-            return best(range(T), lambda j: sim(j))[:C]
-        return best(range(T), lambda j: s[j])[:C]  # heavy_hitter, tova, knorm
+            return best(among, lambda j: sim(j))[:C]
+        return best(among, lambda j: s[j])[:C]  # heavy_hitter, tova, knorm
 
 
 class _Layer:

@@ -68,8 +68,9 @@ def test_sharded_checkpoint_loads(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("name,edit,needle", [
-    ("mistral_no_window", {"sliding_window": 16}, "sliding-window attention (sliding_window=16) is not supported yet"),
-    ("qwen2_bias", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
+    ("mistral_no_window", {"sliding_window": 0}, "'sliding_window' is 0, expected a positive window"),
+    ("qwen2_hybrid", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     "'layer_types' must list sliding_attention or full_attention"),
     ("phi3_partial_rotary", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "unsupported rope type 'longrope'"),
     ("qwen3_qknorm", {"model_type": "gemma9"}, "supported: llama, opt, gpt_neox, qwen2, qwen3, mistral, phi3"),
@@ -88,6 +89,23 @@ def test_what_a_family_does_not_implement_is_refused_by_name(tiny, tmp_path, nam
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("name,edit,windows", [
+    ("mistral_window", {}, (5, 5)),
+    ("qwen2_hybrid", {}, (5, 5, None)),
+    ("qwen2_hybrid", {"layer_types": None, "max_window_layers": 1}, (None, 5, 5)),  # the older keys
+    ("qwen2_hybrid", {"use_sliding_window": False}, ()),
+])
+def test_sliding_windows_are_read_from_either_config_style(tiny, tmp_path, name, edit, windows):
+    import json
+    import shutil
+    from h2o_mini.config import Config
+    folder = tmp_path / name
+    shutil.copytree(tiny(name)[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
+    assert Config.from_hf(folder).windows == windows
+
+
 def test_a_window_as_long_as_the_positions_is_no_window(tiny, tmp_path):
     """Phi-4-mini's sliding_window (262144) outlasts its positions: read as no window, not refused."""
     import json
@@ -98,3 +116,22 @@ def test_a_window_as_long_as_the_positions_is_no_window(tiny, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
     assert Config.from_hf(folder).family == "phi3"
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_hybrid"])
+@pytest.mark.parametrize("prefill", ["stream", "dense"])
+def test_full_on_a_sliding_window_model_holds_w_slots_and_equals_transformers(tiny, tiny_model, name, prefill):
+    """`full` keeps min(C, W) = W slots on a sliding layer, really, and still gives transformers' logits: a
+    prompt of 30 tokens, then 10 decode steps, windows of 5."""
+    from h2o_mini.cache import KVCache
+    _, hf = tiny(name)
+    model = tiny_model(name)
+    ids = text_bytes(40, 2500)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    cache = KVCache(model.cfg, Full(), 1, 40)
+    assert [layer.capacity for layer in cache.layers] == [w or 40 for w in model.cfg.windows]
+    x = torch.tensor([ids])
+    got = [model(x[:, :30], torch.arange(30)[None], cache, mode=prefill)[0]]
+    got += [model(x[:, t:t + 1], torch.tensor([[t]]), cache, mode="step")[0] for t in range(30, 40)]
+    assert (torch.cat(got) - want).abs().max().item() <= 1e-4

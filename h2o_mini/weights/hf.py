@@ -22,26 +22,23 @@ from ..parallel import Shard
 
 # (checkpoint-name regex, model-name template) per family; "model." prefixes are optional in the wild.
 _LAYER = r"(?:model\.)?{}\.(\d+)\."
+_LLAMA_SHARED = [  # what Phi-3 names as LLaMA does
+    (r"(?:model\.)?embed_tokens\.weight", "tok_emb.weight"),
+    (r"(?:model\.)?norm\.weight", "norm_f.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (_LAYER.format("layers") + r"input_layernorm\.weight", r"layers.\1.norm1.weight"),
+    (_LAYER.format("layers") + r"post_attention_layernorm\.weight", r"layers.\1.norm2.weight"),
+]
 NAME_MAPS = {
-    "llama": [
-        (r"(?:model\.)?embed_tokens\.weight", "tok_emb.weight"),
-        (r"(?:model\.)?norm\.weight", "norm_f.weight"),
-        (r"lm_head\.weight", "lm_head.weight"),
+    "llama": _LLAMA_SHARED + [
         (_LAYER.format("layers") + r"self_attn\.(q|k|v|o)_proj\.(weight|bias)", r"layers.\1.attn.w\2.\3"),
         (_LAYER.format("layers") + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"layers.\1.mlp.w_\2.\3"),
-        (_LAYER.format("layers") + r"input_layernorm\.weight", r"layers.\1.norm1.weight"),
-        (_LAYER.format("layers") + r"post_attention_layernorm\.weight", r"layers.\1.norm2.weight"),
     ],
-    "phi3": [
-        (r"(?:model\.)?embed_tokens\.weight", "tok_emb.weight"),
-        (r"(?:model\.)?norm\.weight", "norm_f.weight"),
-        (r"lm_head\.weight", "lm_head.weight"),
+    "phi3": _LLAMA_SHARED + [  # fused matrices, split in `rename`
         (_LAYER.format("layers") + r"self_attn\.qkv_proj\.weight", r"layers.\1.attn.wqkv_split.weight"),
         (_LAYER.format("layers") + r"self_attn\.o_proj\.weight", r"layers.\1.attn.wo.weight"),
         (_LAYER.format("layers") + r"mlp\.gate_up_proj\.weight", r"layers.\1.mlp.w_gate_up.weight"),
         (_LAYER.format("layers") + r"mlp\.down_proj\.weight", r"layers.\1.mlp.w_down.weight"),
-        (_LAYER.format("layers") + r"input_layernorm\.weight", r"layers.\1.norm1.weight"),
-        (_LAYER.format("layers") + r"post_attention_layernorm\.weight", r"layers.\1.norm2.weight"),
     ],
     "opt": [
         (r"(?:model\.)?decoder\.embed_tokens\.weight", "tok_emb.weight"),

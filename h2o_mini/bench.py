@@ -25,7 +25,7 @@ from .api import LM
 from .errors import UserError, note
 from .generate import Decoder, left_pad
 from .parallel import kv_bytes
-from .policies import make_policy, recent_if_taken, resolve
+from .policies import budget_if_taken, make_policy, recent_if_taken, resolve
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 COLUMNS = {"policy": 12, "budget": 6, "capacity": 8, "batch": 5, "prompt_tokens": 13, "new_tokens": 10,
@@ -198,7 +198,7 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
     if cap is not None and len(batches) > 1:
         raise UserError("--kv-memory chooses each configuration's batch: give no --batch with it")
     budgets = budgets or ("0.2",)
-    configs = list(dict.fromkeys((p, b if resolve(p).cls.takes_budget else None) for p in policies for b in budgets))
+    configs = list(dict.fromkeys((p, budget_if_taken(p, b)) for p in policies for b in budgets))
     for n in lengths:
         lm.model.cfg.check_length(n + new_tokens, f"--prompt-tokens {n} + --new-tokens {new_tokens}")
     decoder = Decoder(lm.model, compile=compile, kv_bits=kv_bits)

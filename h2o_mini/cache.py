@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .config import Config
 from .policies import Policy
+from .policies.base import keep_scores
 from .quant import cat_slots, codec, gather_slots, scatter_slots_
 
 
@@ -75,7 +76,7 @@ class LayerCache:
         dead = self.pos < 0  # empty slots, and on a sliding layer the tokens that left its window
         if self.window is not None:
             dead = dead | (self.pos <= t - self.window)
-        keep = keep_score(policy, self.score, self.pos, t, keys, values).masked_fill(dead, -torch.inf)  # (B, H, C)
+        keep = keep_scores(policy, self.score, self.pos, t, keys, values).masked_fill(dead, -torch.inf)  # (B, H, C)
         lowest = keep.amin(-1, keepdim=True)
         oldest_of_lowest = torch.where(keep == lowest, self.pos, torch.iinfo(torch.int64).max)
         slot = oldest_of_lowest.argmin(-1, keepdim=True)  # (B, H, 1): the slot token t overwrites
@@ -144,7 +145,7 @@ class LayerCache:
         t_last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last prompt position
         prompt_pos = pos[:, None, :].expand(B, H, T)
         keys, values = (k if policy.needs_keys else None), (v if policy.needs_values else None)
-        keep = keep_score(policy, score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, keys, values)
+        keep = keep_scores(policy, score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, keys, values)
         keep = keep.masked_fill(~valid[:, None, :], -torch.inf)
         if self.window is not None:  # chosen among the tokens still inside the last position's window
             keep = keep.masked_fill(prompt_pos <= t_last - self.window, -torch.inf)
@@ -201,13 +202,6 @@ class LayerCache:
         return out.view(B, n_head, K, D)
 
 
-def keep_score(policy: Policy, score, pos, t, keys, values) -> torch.Tensor:
-    """The policy's keep-scores; the cached values are passed only to a policy that reads them."""
-    if policy.needs_values:
-        return policy.keep_score(score, pos, t, keys, values=values)
-    return policy.keep_score(score, pos, t, keys)
-
-
 def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots, keys, values=None):
     """Steps 1-4 of the rule for the token at position t, over the virtual slots of `LayerCache._stream`.
 
@@ -219,7 +213,7 @@ def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots
     # A rule across slots (KeyDiff's mean key) must see which slots are cached; element-wise rules need not
     # (the masks below override the keep-score of every other slot), so they are spared the op.
     seen = pos.masked_fill(~alive, -1) if policy.needs_keys or policy.needs_values or policy.across_slots else pos
-    keep = keep_score(policy, score, seen, t, keys, values).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
+    keep = keep_scores(policy, score, seen, t, keys, values).masked_fill(~alive, -torch.inf).masked_fill(~member, torch.inf)
     victim = (slots == keep.argmin(-1, keepdim=True)) & ok  # an empty slot while the cache is filling
     arrive = (pos == t) & ok
     member = member & ~victim | arrive

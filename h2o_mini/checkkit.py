@@ -1,16 +1,16 @@
 """`h2o-mini check-policy SPEC`: proves a policy exact on every code path, whoever wrote it.
 
-The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3, and a hybrid
-model with a sliding-window layer; seeded weights, no download), reads a real text through them under the policy, and compares every fast path of `cache.py`
-(the decode step, stream prefill in chunks of 1/7/64, dense prefill in one block and in causal blocks of 7
-then decoding, a ragged left-padded batch in both prefill modes, the compiled step, keys and values stored
-at 8 and 4 bits) with `HookReference`: a naive cache that keeps every key and value and applies the rule one
-token at a time, eviction as a mask, straight from `docs/spec.md`. It shares no eviction code with
-`cache.py`; it calls only the policy's own hooks (`keep_score`, `insert_score`, `update` once per query,
-`prompt_score`, `layer_capacity`, `for_layer`), so any policy, registered or plugged in, is checked against
-its own statement of the rule. It also checks that `accumulate` (a closed form, if the policy has one)
-equals `update` applied query by query. A path passes when its logits are within `TOL` of the reference:
-fp32, the same weights, the same tokens; a different eviction moves these logits by > 1e-2.
+The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3, and a hybrid model
+with a sliding-window layer; seeded weights, no download), reads a real text through them under the policy, and
+compares every fast path of `cache.py` (the decode step, stream prefill in chunks of 1/7/64, dense prefill in
+one block and in causal blocks of 7 then decoding, a ragged left-padded batch in both prefill modes, the
+compiled step, keys and values stored at 8 and 4 bits) with `HookReference`: a naive cache that keeps every key
+and value and applies the rule one token at a time, eviction as a mask, straight from `docs/spec.md`. It shares
+no eviction code with `cache.py`; it calls only the policy's own hooks (`keep_score`, `insert_score`, `update`
+once per query, `prompt_score`, `layer_capacity`, `for_layer`), so any policy, registered or plugged in, is
+checked against its own statement of the rule. It also checks that `accumulate` (a closed form, if the policy
+has one) equals `update` applied query by query. A path passes when its logits are within `TOL` of the
+reference: fp32, the same weights, the same tokens; a different eviction moves these logits by > 1e-2.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .config import Config
 from .generate import Decoder, left_pad
 from .model import Transformer
 from .policies import Policy
+from .policies.base import keep_scores
 from .quant import codec
 
 TOL = 1e-4
@@ -111,9 +112,7 @@ class HookReference:
 
     def _keep(self, policy, st, cached, score, t):
         pos = st["P"].expand_as(cached).masked_fill(~cached, -1)[None]  # (1, H, n); not cached: < 0
-        keys = st["K"][None] if policy.needs_keys else None
-        extra = {"values": st["V"][None]} if policy.needs_values else {}
-        return policy.keep_score(score[None], pos, torch.tensor(t), keys, **extra)[0]
+        return keep_scores(policy, score[None], pos, torch.tensor(t), st["K"][None], st["V"][None])[0]
 
     def _dense(self, layer, q, k, v, pos):
         policy, H, g = self.policies[layer], self.cfg.n_kv_head, self.cfg.group
@@ -135,9 +134,7 @@ class HookReference:
                                              causal[i][None, None])[0, 0]
         score = policy.prompt_score(score[None])[0]
         P = torch.arange(T_)
-        keys = k[None] if policy.needs_keys else None
-        extra = {"values": v[None]} if policy.needs_values else {}
-        keep = policy.keep_score(score[None], P.expand(H, T_)[None], torch.tensor(T_ - 1), keys, **extra)[0]
+        keep = keep_scores(policy, score[None], P.expand(H, T_)[None], torch.tensor(T_ - 1), k[None], v[None])[0]
         if W:  # chosen among the tokens still inside the last position's window
             keep = keep.masked_fill(P <= T_ - 1 - W, -torch.inf)
         n = min(self.caps[layer], T_)

@@ -25,7 +25,7 @@ from .cli_eval import eval_
 from .cli_sweep import sweep
 from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
                           model_options, policy_options)
-from .policies import BUDGET_HELP, REGISTRY, describe, recent_if_taken, resolve
+from .policies import BUDGET_HELP, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from .policies.plugins import PluginError, installed
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
@@ -159,8 +159,7 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
     lm = api.load(model, dtype, device)
     ids = api.scored_ids(lm, text, tokens)
     names = policies or ("local", "heavy_hitter", "h2o")
-    chosen = [api.as_policy(n, budget if resolve(n).cls.takes_budget else None, tokens, recent_if_taken(n, recent))
-              for n in names]
+    chosen = [api.as_policy(n, budget_if_taken(n, budget), tokens, recent_if_taken(n, recent)) for n in names]
     matrices = {}
     for name, policy in zip(names, chosen):
         label = f"{resolve(name).name} ({', '.join(f'{k}={v}' for k, v in policy.params().items()) or 'all'})"

@@ -8,7 +8,7 @@ import click
 
 from .cli_options import Budget, PolicyType, RECENT_HELP
 from .errors import UserError
-from .policies import make_policy, resolve
+from .policies import budget_if_taken, make_policy
 
 
 @click.command(name="check-policy", short_help="Prove a policy exact on every code path (built-in or yours).",
@@ -28,20 +28,19 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per checked path")
 def check_policy(spec, budget, recent, families, as_json):
     """Run SPEC through every fast path of the cache (decode step, stream chunks, dense prefill in one and in
-    several query blocks, ragged batches in both prefill modes, the compiled step, 8- and 4-bit keys and
-    values) on tiny random decoders of five families (one with a sliding-window layer), and compare each with a naive reference that applies
-    the policy's own hooks one token at a time, every key and value kept, eviction as a mask. Also checks that
-    a closed-form `accumulate` equals `update` applied query by query. Prints the largest logit difference of
-    each path (passes at <= 1e-4); exits 1 if any path fails. About a minute per family on 2 CPU cores."""
+    several query blocks, ragged batches in both prefill modes, the compiled step, 8- and 4-bit keys and values)
+    on tiny random decoders of five families (one with a sliding-window layer), and compare each with a naive
+    reference that applies the policy's own hooks one token at a time, every key and value kept, eviction as a
+    mask. Also checks that a closed-form `accumulate` equals `update` applied query by query. Prints the largest
+    logit difference of each path (passes at <= 1e-4); exits 1 if any path fails. About five seconds per family
+    on 2 CPU cores."""
     from .checkkit import FAMILIES, TOL, check_policy as run_checks
     chosen = [f.strip() for f in families.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in FAMILIES]
     if unknown or not chosen:
         raise UserError(f"--families: unknown {', '.join(unknown) or '(none given)'} (choose from {', '.join(FAMILIES)})")
-    cls = resolve(spec).cls
-
     def make(length: int):
-        return make_policy(spec, budget if cls.takes_budget else None, length, recent)
+        return make_policy(spec, budget_if_taken(spec, budget), length, recent)
     make(40)  # a bad budget or parameter fails here, before any check runs
     if not as_json:
         click.echo(f"checking {spec} ({make(40)}) against the naive reference; tolerance {TOL:g}")

@@ -12,7 +12,7 @@ from .bench import DEFAULT_TEXT
 from .cli_options import COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
 from .errors import UserError, note
 from .files import check_output, read_text, write_atomic
-from .policies import BUDGET_HELP, recent_if_taken, resolve
+from .policies import BUDGET_HELP, budget_if_taken, recent_if_taken
 
 
 @click.command(short_help="One HTML page of what each policy keeps, step by step, on real text.", epilog="""\b
@@ -61,8 +61,7 @@ def explore(prompt, model, dtype, device, policies, budget, recent, text_path, t
     chosen = {}
     for name in names:  # every policy made (and checked) before the first recording
         label = name if name not in chosen else f"{name} #{len(chosen) + 1}"
-        chosen[label] = api.as_policy(name, budget if resolve(name).cls.takes_budget else None, len(ids),
-                                      recent_if_taken(name, recent))
+        chosen[label] = api.as_policy(name, budget_if_taken(name, budget), len(ids), recent_if_taken(name, recent))
     recordings = {}
     for label, policy in chosen.items():
         bar = tqdm(total=len(ids), desc=f"explore {label}", unit="tok", disable=None, leave=False)

@@ -6,7 +6,6 @@ import math
 
 import click
 
-from .errors import UserError
 from .policies import BUDGET_HELP, parse_budget, resolve, takes_recent_names
 
 COUNT = 2**31  # the largest count any option takes (tokens, steps)
@@ -45,10 +44,7 @@ class PolicyType(click.ParamType):
     name = "policy"
 
     def convert(self, value, param, ctx):
-        try:
-            resolve(value)
-        except UserError:
-            raise  # one line, exit 2 (a plugin's own traceback: --debug)
+        resolve(value)  # a bad spec is a UserError: one line, exit 2 (a plugin's own traceback: --debug)
         return str(value).strip()
 
 

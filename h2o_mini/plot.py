@@ -1,9 +1,10 @@
 """`h2o-mini plot kept`: which tokens each policy keeps, step by step, as one picture.
 
 A real text goes through the model one token at a time (teacher forcing) under each policy; the recorder
-(`record.py`, shared with `h2o-mini explore`) notes when each position leaves each layer and KV head. The picture has the step t across and the
-position p down: a cell is dark while token p is in the cache at step t. `local` draws a diagonal band;
-`h2o` draws the same band plus horizontal lines, the heavy hitters it keeps for a long time.
+(`record.py`, shared with `h2o-mini explore`) notes when each position leaves each layer and KV head. The
+picture has the step t across and the position p down: a cell is dark while token p is in the cache at step t.
+`local` draws a diagonal band; `h2o` draws the same band plus horizontal lines, the heavy hitters it keeps for a
+long time.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""The naive reference for `docs/spec.md` and every registered policy's rule (docs/policies.md):
-every key and value is kept, and the policy is applied as a mask, one token at a time, in plain Python
-loops. It shares no eviction code with `h2o_mini.cache` or the policy classes: each built-in rule is written
-out again here from its documented statement (only the parameters are read off the policy object). A policy
-not written out here (a plugin) is checked by `h2o_mini.checkkit.HookReference`, which drives the policy's
-own hooks one token at a time (what `h2o-mini check-policy` runs). Single row only (rows never influence each other; batched paths are compared per row). With `kv_bits`, every
-key and value is rounded through the documented quantizer as it enters (written out again here too).
+"""The naive reference for `docs/spec.md` and every registered policy's rule (docs/policies.md): every key and
+value is kept, and the policy is applied as a mask, one token at a time, in plain Python loops. It shares no
+eviction code with `h2o_mini.cache` or the policy classes: each built-in rule is written out again here from its
+documented statement (only the parameters are read off the policy object). A policy not written out here (a
+plugin) is checked by `h2o_mini.checkkit.HookReference`, which drives the policy's own hooks one token at a time
+(what `h2o-mini check-policy` runs). Single row only (rows never influence each other; batched paths are
+compared per row). With `kv_bits`, every key and value is rounded through the documented quantizer as it enters
+(written out again here too).
 """
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 chromedriver (the two come from one source package, so their versions always match; Playwright would want
 to download its own browser build, which this offline machine cannot). What the page shows is checked
 against the cache itself, read through the Python API, not against the page's own data."""
-import json
 import os
 import shutil
 import subprocess

@@ -6,7 +6,8 @@ import torch
 
 from h2o_mini import (H2O, REGISTRY, TOVA, Full, HeavyHitter, KeyDiff, KNorm, Local, PyramidKV, Scissorhands, Sinks,
                       SnapKV, UserError, make_policy)
-from h2o_mini.cache import KVCache, keep_score
+from h2o_mini.cache import KVCache
+from h2o_mini.policies.base import keep_scores
 from h2o_mini.config import Config
 from h2o_mini.policies import capacity_for, parse_budget
 
@@ -75,9 +76,8 @@ def _conformance_run(model, policy, ids):
     for t, tok in enumerate(ids):
         before = []
         for lc in cache.layers:
-            keys = lc.keys() if policy.needs_keys else None
-            values = lc.codec.decode(lc.v) if policy.needs_values else None
-            keep = keep_score(policy, lc.score, lc.pos, torch.tensor(t), keys, values).masked_fill(lc.pos < 0, -torch.inf)
+            keep = keep_scores(policy, lc.score, lc.pos, torch.tensor(t), lc.keys(), lc.codec.decode(lc.v))
+            keep = keep.masked_fill(lc.pos < 0, -torch.inf)
             before.append((lc.pos.clone(), lc.pos[keep == torch.inf].tolist()))
         logits.append(model(torch.tensor([[tok]]), torch.tensor([[t]]), cache, mode="step"))
         for lc, (old, protected) in zip(cache.layers, before):

@@ -4,13 +4,10 @@ import json
 import math
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from h2o_mini import UserError
 from h2o_mini.checkkit import check_accumulate, reference_logits as by_hooks, steps, fast_logits
 from h2o_mini.policies import REGISTRY, make_policy, resolve
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import UserError, note
 from ..files import check_output
-from ..policies import REGISTRY, parse_budget, resolve
+from ..policies import REGISTRY, budget_if_taken, parse_budget
 
 DEFAULT_BUDGETS = ("0.05", "0.1", "0.2", "0.5")
 # kind -> (the number a point is judged by, how to read it off its rows, higher is better)
@@ -31,7 +31,7 @@ def points(policies, budgets, with_full: bool = True) -> list[tuple[str, str | N
     line every other policy is read against. A policy that takes no budget is one point."""
     policies = ("full",) * with_full + tuple(policies or REGISTRY)
     budgets = budgets or DEFAULT_BUDGETS
-    return list(dict.fromkeys((p, b if resolve(p).cls.takes_budget else None) for p in policies for b in budgets))
+    return list(dict.fromkeys((p, budget_if_taken(p, b)) for p in policies for b in budgets))
 
 
 def check_budget_kinds(budgets) -> None:

@@ -41,9 +41,8 @@ def make_policy(spec: "str | Spec", budget: str | float | int | None, length: in
     spec = resolve(spec)
     cls = spec.cls
     if recent is not None and not cls.takes_recent:
-        with_recent = ", ".join(n for n, c in REGISTRY.items() if c.takes_recent)
-        raise UserError(f"--recent does not apply to policy {spec.name!r} (only to {with_recent}, and plugins "
-                        "that set takes_recent)")
+        raise UserError(f"--recent does not apply to policy {spec.name!r} (only to "
+                        f"{', '.join(takes_recent_names())}, and plugins that set takes_recent)")
     if not cls.takes_budget:
         if budget is not None:
             raise UserError(f"policy {spec.name!r} keeps every token: --budget does not apply to it")
@@ -64,11 +63,17 @@ def recent_if_taken(spec, recent):
     return recent if resolve(spec).cls.takes_recent else None
 
 
+def budget_if_taken(spec, budget):
+    """`--budget` for a policy that takes one, else None: one --budget given to several policies reaches only
+    those that evict (`full` keeps everything)."""
+    return budget if resolve(spec).cls.takes_budget else None
+
+
 def takes_recent_names() -> list[str]:
     """The registered policies that --recent applies to (help texts are built from this)."""
     return [name for name, cls in REGISTRY.items() if cls.takes_recent]
 
 
-__all__ = ["recent_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy", "resolve", "Spec",
-           "PluginError", "param", "Full", "Local", "HeavyHitter", "H2O", "Sinks", "TOVA", "Scissorhands", "SnapKV",
-           "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV"]
+__all__ = ["recent_if_taken", "budget_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy",
+           "resolve", "Spec", "PluginError", "param", "Full", "Local", "HeavyHitter", "H2O", "Sinks", "TOVA",
+           "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV"]

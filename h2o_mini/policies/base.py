@@ -81,9 +81,7 @@ class Policy:
         cpu = torch.device("cpu")  # explicit: a test may have set another default device
         pos = torch.arange(C, device=cpu)[None, None]  # (1, 1, C)
         kv = torch.randn(1, 1, C, 8, generator=torch.Generator().manual_seed(0), device=cpu)
-        extra = {"values": kv} if self.needs_values else {}
-        keep = self.keep_score(torch.zeros(1, 1, C, device=cpu), pos, torch.tensor(C, device=cpu),
-                               kv if self.needs_keys else None, **extra)
+        keep = keep_scores(self, torch.zeros(1, 1, C, device=cpu), pos, torch.tensor(C, device=cpu), kv, kv)
         return bool((keep == torch.inf).all())
 
     @property
@@ -137,6 +135,15 @@ class Policy:
     def params(self) -> dict:
         """Every parameter by name: what JSON outputs and sweep rows record."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def keep_scores(policy: Policy, score, pos, t, keys=None, values=None) -> torch.Tensor:
+    """The policy's keep-scores, called as the protocol says: keys only to a policy that `needs_keys`, values
+    (by keyword) only to one that `needs_values`. Every caller (the cache's paths, the references) uses this."""
+    keys = keys if policy.needs_keys else None
+    if policy.needs_values:
+        return policy.keep_score(score, pos, t, keys, values=values)
+    return policy.keep_score(score, pos, t, keys)
 
 
 def check_param(owner: str, f, kind, value):

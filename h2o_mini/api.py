@@ -23,7 +23,7 @@ from .parallel import Shard, common_seed
 from .policies import Policy, make_policy
 from .quant import check_kv_bits
 from .tokenizer import Tokenizer
-from .weights.default import prepare_default_model
+from .weights.prepared import MODELS, names, prepare_model
 from .weights.hf import load_hf
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -45,15 +45,16 @@ class LM:
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """'default' or None -> the converted default model (prepared on first use); else the folder itself."""
-    if model is None or str(model) == "default":
-        return prepare_default_model(log=note)
+    """A prepared model's name ('default' or None, 'gemma3-270m') -> its converted folder (prepared on first
+    use); else the folder itself."""
+    if model is None or str(model) in MODELS:
+        return prepare_model(str(model or "default"), log=note)
     folder = Path(model).expanduser()
     if not folder.exists():
         hub = " (a model hub id? nothing is downloaded from hubs)" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) else ""
         raise UserError(f"--model {model} does not exist as a folder here{hub}: h2o-mini runs offline from a local "
-                        "checkpoint folder (config.json, *.safetensors, tokenizer files), or prepares one by name: "
-                        "default (SmolLM2-135M-Instruct)")
+                        f"checkpoint folder (config.json, *.safetensors, tokenizer files), or prepares one by name: "
+                        f"{names()}")
     return folder
 
 

@@ -39,7 +39,7 @@ class LayerCache:
         any live one and never attended; the caller gives it at most W slots."""
         self.policy, self.capacity, self.dense_block, self.token_fn = policy, capacity, dense_block, token_fn
         self.window = window
-        self.scale = cfg.head_dim ** -0.5
+        self.scale, self.cap = cfg.attn_scale, cfg.attn_softcap  # the logits: cap * tanh(scale * q.k / cap) (Gemma 2)
         self.codec = codec(kv_bits, cfg.head_dim, dtype)
         shape = (batch, cfg.n_kv_head, capacity)
         self.k = self.codec.empty(*shape, cfg.head_dim, device)  # parts of (B, n_kv_head, C, ...), after RoPE
@@ -99,13 +99,17 @@ class LayerCache:
         H, S = k.shape[1], k.shape[2]
         g = n_head // H
         qg = q.reshape(B, H, g * T, D)  # the query heads of a group side by side: K and V are never copied
-        if not scores:
+        if not scores and self.cap is None:  # SDPA cannot soft-cap: capped logits take the explicit path
             mask = mask[:, :, None].expand(B, H, g, T, S).reshape(B, H, g * T, S)
-            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, n_head, T, D), None
+            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale).view(B, n_head, T, D), None
         logits = (qg @ k.transpose(-1, -2)).float().view(B, H, g, T, S)  # a new tensor: changed in place below
-        probs = logits.mul_(self.scale).masked_fill_(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
+        probs = self._capped(logits.mul_(self.scale)).masked_fill_(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
         out = probs.to(v.dtype).view(B, H, g * T, S) @ v  # (B, H, g*T, hd)
-        return out.view(B, n_head, T, D), probs.sum(2)
+        return out.view(B, n_head, T, D), probs.sum(2) if scores else None
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's soft-cap, in place on fp32 logits: cap * tanh(logits / cap)."""
+        return logits if self.cap is None else logits.div_(self.cap).tanh_().mul_(self.cap)
 
     # -- a prompt, densely: causal attention over it, then keep C tokens per the policy --
     def _dense(self, q, k_parts, v_parts, pos) -> torch.Tensor:
@@ -179,7 +183,7 @@ class LayerCache:
         vscore = torch.cat([self.score.gather(2, order), new_score], 2)
         alive = torch.cat([vpos[..., :C] >= 0, vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)  # attendable
         member = torch.cat([vpos.new_ones(B, H, C, dtype=torch.bool), vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)
-        logits = (q.reshape(B, H, g * K, D) @ vk.transpose(-1, -2)).float() * self.scale
+        logits = self._capped((q.reshape(B, H, g * K, D) @ vk.transpose(-1, -2)).float() * self.scale)
         logits = logits.view(B, H, g, K, C + K)
         probs = torch.empty_like(logits)  # (B, H, g, K, C+K)
         slots = torch.arange(C + K, device=q.device)

@@ -1,7 +1,7 @@
 """`h2o-mini check-policy SPEC`: proves a policy exact on every code path, whoever wrote it.
 
-The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3, and a hybrid model
-with a sliding-window layer; seeded weights, no download), reads a real text through them under the policy, and
+The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3, a hybrid model
+with a sliding-window layer, a Gemma-shaped hybrid with soft-capped attention; seeded weights, no download), reads a real text through them under the policy, and
 compares every fast path of `cache.py` (the decode step, stream prefill in chunks of 1/7/64, dense prefill in
 one block and in causal blocks of 7 then decoding, a ragged left-padded batch in both prefill modes, the
 compiled step, keys and values stored at 8 and 4 bits) with `HookReference`: a naive cache that keeps every key
@@ -38,6 +38,11 @@ FAMILIES = {  # tiny, but each with its family's quirks: GQA, learned positions 
     "qwen3": Config("qwen3", 256, 2, 4, 1, 32, 12, 48, 256, rotary_dim=12, qk_norm=True),
     # hybrid local/global: layer 0 attends to its last 6 positions only (docs/spec.md, sliding-window layers)
     "hybrid": Config("qwen2", 256, 2, 4, 2, 32, 8, 48, 256, rotary_dim=8, attn_bias=True, windows=(6, None)),
+    # Gemma-shaped hybrid: (1 + w) norms around both branches, scaled embeddings, its own attention scalar and a
+    # tight attention soft-cap (the logits the policy's scores come from are capped), q/k norms, two RoPE bases
+    "gemma": Config("gemma3", 256, 2, 4, 1, 32, 16, 48, 256, norm="rms_1p", act="gelu_tanh", rotary_dim=16,
+                    rope_theta=1e6, rope_theta_local=1e4, qk_norm=True, windows=(6, None), embed_scale=True,
+                    sandwich_norm=True, attn_scalar=12.0, attn_softcap=3.0, logit_softcap=8.0, tie_embeddings=True),
 }
 
 
@@ -102,13 +107,19 @@ class HookReference:
         score = torch.cat([score, policy.insert_score(k[None])[0]], 1)
         seen = cached & (st["P"] > t - W) if W else cached  # (H, n): what attention reads
         for h in range(H):  # 3. attend over exactly the cached tokens, fp32
-            logits = (q[0, h * g:(h + 1) * g, 0].float() @ st["K"][h].T) * self.cfg.head_dim ** -0.5  # (g, n)
+            logits = self._logits(q[0, h * g:(h + 1) * g, 0].float() @ st["K"][h].T)  # (g, n)
             p = logits.masked_fill(~seen[h], -torch.inf).softmax(-1)
             out[0, h * g:(h + 1) * g, 0] = (p @ st["V"][h]).to(q.dtype)
             if policy.needs_scores:  # 4. the policy's update, one query
                 score[h] = policy.update(score[h][None, None], p.sum(0)[None, None], seen[h][None, None])[0, 0]
         st["cached"], st["score"] = cached, score
         return out
+
+    def _logits(self, qk):
+        """q . k scaled (1 / sqrt(hd), or Gemma's 1 / sqrt(query_pre_attn_scalar)), then Gemma 2's soft-cap."""
+        logits = qk * (self.cfg.attn_scalar or self.cfg.head_dim) ** -0.5
+        cap = self.cfg.attn_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def _keep(self, policy, st, cached, score, t):
         pos = st["P"].expand_as(cached).masked_fill(~cached, -1)[None]  # (1, H, n); not cached: < 0
@@ -125,7 +136,7 @@ class HookReference:
         if W:
             causal &= (torch.arange(T_)[:, None] - torch.arange(T_)[None, :]) < W
         for h in range(H):
-            logits = (q[0, h * g:(h + 1) * g].float() @ k[h].T) * self.cfg.head_dim ** -0.5  # (g, T, T)
+            logits = self._logits(q[0, h * g:(h + 1) * g].float() @ k[h].T)  # (g, T, T)
             p = logits.masked_fill(~causal, -torch.inf).softmax(-1)
             out[0, h * g:(h + 1) * g] = (p @ v[h]).to(q.dtype)
             if policy.needs_scores:

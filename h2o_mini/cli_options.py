@@ -76,7 +76,8 @@ def model_options(f):
     f = click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N")(f)
     f = click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16")(f)
     f = click.option("--model", default="default", show_default=True,
-                     help="a Hugging Face checkpoint folder, or 'default' (SmolLM2-135M-Instruct, offline)")(f)
+                     help="a Hugging Face checkpoint folder, or a model prepared offline by name: 'default' "
+                          "(SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base)")(f)
     return f
 
 

@@ -67,8 +67,8 @@ def run_block(block, x, pos, rope, layer_cache) -> torch.Tensor:
 
 def layerwise_decode_step(block_fn, model: Transformer, cache: KVCache, token, pos) -> torch.Tensor:
     """`decode_step` with every block run by `block_fn`: a compiled `run_block`, one graph for all layers."""
-    x, rope = model.embed(token, pos)
-    for block, layer_cache in zip(model.layers, cache.layers):
+    x, ropes = model.embed(token, pos)
+    for block, layer_cache, rope in zip(model.layers, cache.layers, ropes):
         x = block_fn(block, x, pos, rope, layer_cache)
     return model.head(x)[:, -1]
 

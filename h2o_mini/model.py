@@ -1,15 +1,17 @@
 """One decoder-only Transformer for the OPT, LLaMA and GPT-NeoX families (and the LLaMA-shaped Qwen2, Qwen3
-with its per-head q/k norm, Mistral and Phi-3).
+with its per-head q/k norm, Mistral and Phi-3; and Gemma 2 / Gemma 3).
 
-The families differ only in flags of `Config` (litgpt's approach): the norm (RMSNorm / LayerNorm), the MLP
-(SwiGLU / ReLU / GELU), the residual wiring (sequential / NeoX parallel / OPT-350m post-norm), the position
-scheme (RoPE on all or part of each head / learned embeddings) and the biases. Checkpoint quirks live in
-`weights/hf.py`.
+The families differ only in flags of `Config` (litgpt's approach): the norm (RMSNorm / Gemma's (1 + w)
+RMSNorm / LayerNorm), the MLP (SwiGLU / GeGLU / ReLU / GELU), the residual wiring (sequential / NeoX parallel /
+OPT-350m post-norm / Gemma's extra norms after attention and MLP), the position scheme (RoPE on all or part of
+each head, with one base for the sliding layers and one for the global ones / learned embeddings), the
+attention scale and soft-capping, and the biases. Checkpoint quirks live in `weights/hf.py`.
 
 The model never owns a KV cache: `forward` takes one (`cache.KVCache`) explicitly, plus the original
 position of every token, which is what RoPE and learned positions use even after eviction. Negative
 positions mark left padding. References: Vaswani et al. 2017 (attention), Su et al. 2021 (RoPE),
-Touvron et al. 2023 (LLaMA), Zhang et al. 2022 (OPT), Black et al. 2022 (GPT-NeoX).
+Touvron et al. 2023 (LLaMA), Zhang et al. 2022 (OPT), Black et al. 2022 (GPT-NeoX), Gemma Team 2024
+(Gemma 2, arXiv 2408.00118) and 2025 (Gemma 3, arXiv 2503.19786).
 """
 from __future__ import annotations
 
@@ -24,19 +26,29 @@ _ACTS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()  # normalise in fp32 as the reference implementation does, whatever the model dtype
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:  # Gemma: the weight is stored as an offset from 1, and the product is taken in fp32
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
-def make_norm(cfg: Config) -> nn.Module:
-    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
+def make_norm(cfg: Config, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.d_model
+    if cfg.norm == "layer":
+        return nn.LayerNorm(dim, cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps, plus_one=cfg.norm == "rms_1p")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capping: cap * tanh(x / cap), which bounds |x| below cap (no-op for None)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,8 +70,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.n_head * hd, d, bias=cfg.out_bias)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None  # Qwen3
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None  # Qwen3, Gemma 3
+        self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
 
     def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
         B, T, _ = x.shape
@@ -72,22 +84,29 @@ class Attention(nn.Module):
         if rope is not None:  # keys are cached after RoPE at their original position: never re-rotated
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is None:
-            out = causal_attention(q, k, v, pos, self.window)
+            out = causal_attention(q, k, v, pos, self.window, cfg.attn_scale, cfg.attn_softcap)
         else:
             out = cache.attend(q, k, v, pos, mode)  # (B, n_head, T, hd): this layer's `cache.LayerCache`
         return all_reduce(self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim)), self.shard)
 
 
-def causal_attention(q, k, v, pos, window: int | None = None) -> torch.Tensor:
+def causal_attention(q, k, v, pos, window: int | None = None, scale: float | None = None,
+                     cap: float | None = None) -> torch.Tensor:
     """Plain causal attention over the whole sequence (no cache); padding (pos < 0) is never attended; with a
-    sliding `window`, query t sees positions p > t - window only."""
+    sliding `window`, query t sees positions p > t - window only. scale: on q . k (None: 1 / sqrt(hd)); cap:
+    Gemma 2's soft-cap on those logits, which SDPA cannot apply, so then the softmax is written out."""
     T = q.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T)
     mask = causal & (pos >= 0)[:, None, None, :]  # (B, 1, T, T)
     if window is not None:
         mask = mask & ((pos[:, :, None] - pos[:, None, :]) < window)[:, None]
     mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)  # padding queries see themselves: no NaN
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # (B, n_head, T, hd)
+    logits = softcap((q @ k.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5), cap)  # (B, n_head, T, T)
+    return logits.masked_fill(~mask, -torch.inf).softmax(-1).to(v.dtype) @ v
 
 
 class MLP(nn.Module):
@@ -114,11 +133,17 @@ class Block(nn.Module):
         self.cfg = cfg
         self.norm1, self.attn = make_norm(cfg), Attention(cfg, shard, window)
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg, shard)
+        # Gemma: each branch's output is normalised too, before its residual add
+        self.post_attn_norm = make_norm(cfg) if cfg.sandwich_norm else None
+        self.post_mlp_norm = make_norm(cfg) if cfg.sandwich_norm else None
 
     def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
         def attn(h):
             return self.attn(h, pos, rope, cache, mode)
 
+        if self.cfg.sandwich_norm:  # Gemma 2/3
+            h = x + self.post_attn_norm(attn(self.norm1(x)))
+            return h + self.post_mlp_norm(self.mlp(self.norm2(h)))
         if self.cfg.parallel_residual:  # GPT-NeoX / GPT-J: both branches read the same input
             return x + attn(self.norm1(x)) + self.mlp(self.norm2(x))
         if self.cfg.norm_before:  # LLaMA, most OPT sizes
@@ -142,6 +167,10 @@ class Transformer(nn.Module):
         self.norm_f = make_norm(cfg) if cfg.final_norm else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(d_embed, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg) if cfg.rotary_dim else None, persistent=False)
+        # Gemma 3: the sliding layers rotate with their own base (10k) and the global ones with theirs (1M)
+        self.local_rope = bool(cfg.rope_theta_local and cfg.windows and cfg.rotary_dim)
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True) if self.local_rope else None,
+                             persistent=False)
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor, cache=None, mode: str = "dense",
                 last_only: bool = False) -> torch.Tensor:
@@ -152,24 +181,33 @@ class Transformer(nn.Module):
         mode (with a `cache.KVCache`): "dense" (causal prompt attention, then keep C per the policy),
         "stream" (the per-token eviction rule over the whole chunk), or "step" (one token per row).
         """
-        x, rope = self.embed(idx, pos)
+        x, ropes = self.embed(idx, pos)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, rope, None if cache is None else cache.layers[i], mode)
+            x = layer(x, pos, ropes[i], None if cache is None else cache.layers[i], mode)
         return self.head(x[:, -1:] if last_only else x)
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor):
-        """Token (and learned position) embeddings, and RoPE's cos/sin at the original positions."""
+        """Token (and learned position) embeddings, and each layer's RoPE cos/sin at the original positions
+        (one pair shared by all layers, or Gemma 3's two: one for the sliding layers, one for the global)."""
         x = self.tok_emb(idx)  # (B, T, d_embed)
+        if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the model dtype first as Gemma does
+            x = x * torch.tensor(self.cfg.d_model ** 0.5, dtype=x.dtype)
         if self.proj_in is not None:
             x = self.proj_in(x)  # (B, T, d_model)
         if self.pos_emb is not None:
             x = x + self.pos_emb(pos.clamp(min=0))
-        rope = None
-        if self.inv_freq is not None:
-            freqs = pos.clamp(min=0)[..., None].float() * self.inv_freq  # (B, T, rotary_dim / 2), fp32
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, rotary_dim)
-            rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
-        return x, rope
+        rope = local = self._rope(pos, self.inv_freq, x.dtype)
+        if self.local_rope:
+            local = self._rope(pos, self.inv_freq_local, x.dtype)
+        return x, [local if self.cfg.window(i) else rope for i in range(self.cfg.n_layer)]
+
+    @staticmethod
+    def _rope(pos: torch.Tensor, inv_freq: torch.Tensor | None, dtype):
+        if inv_freq is None:
+            return None
+        freqs = pos.clamp(min=0)[..., None].float() * inv_freq  # (B, T, rotary_dim / 2), fp32
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, rotary_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_f is not None:
@@ -177,4 +215,4 @@ class Transformer(nn.Module):
         if self.proj_out is not None:
             x = self.proj_out(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
-        return logits.float()  # (B, T, vocab)
+        return softcap(logits.float(), self.cfg.logit_softcap)  # (B, T, vocab)

@@ -41,6 +41,9 @@ class Shard:
         """The config of this rank's slice: 1/N of the heads and of the MLP width (a UserError if they do not
         split evenly)."""
         n = self.size
+        if cfg.n_kv_head < n:  # Gemma 3 270M has a single KV head: there is nothing to split the cache by
+            raise UserError(f"tensor parallel over {n} ranks splits the KV heads, and this model has only "
+                            f"{cfg.n_kv_head} (fewer than the ranks): run it in one process")
         if cfg.n_kv_head % n or cfg.n_head % n or cfg.d_ff % n:
             raise UserError(f"tensor parallel over {n} ranks needs the model's {cfg.n_kv_head} KV heads, {cfg.n_head} "
                             f"query heads and MLP width {cfg.d_ff} to divide by {n}")

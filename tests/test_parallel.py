@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from h2o_mini.generate import Decoder, left_pad
+from h2o_mini.generate import Decoder
 from h2o_mini.parallel import Shard
 from h2o_mini.policies import REGISTRY, make_policy
 from h2o_mini.weights.hf import load_hf
@@ -21,7 +21,9 @@ from .conftest import GPL3, TEST_DEVICE, add_byte_tokenizer, text_bytes
 from .test_cli import run
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu" or not dist.is_available(), reason="gloo on CPU")
-FAMILIES = ["llama_mha", "llama_gqa_tied", "opt_pre_ln_proj", "neox_parallel", "qwen2_bias"]  # 4, 2, 4, 4, 2 KV heads
+# 4, 2, 4, 4, 2, 2, 2 KV heads; Mistral with a window of 5 and Gemma 2 (windows, soft-caps) shard like LLaMA
+FAMILIES = ["llama_mha", "llama_gqa_tied", "opt_pre_ln_proj", "neox_parallel", "qwen2_bias", "mistral_window",
+            "gemma2_softcap"]
 T, C, N = 40, 9, 26  # tokens, capacity, dense prompt
 IDS = text_bytes(T, offset=3000)
 # not the GPL's first bytes: its run of spaces gives KeyDiff exact ties that rounding breaks either way
@@ -157,6 +159,16 @@ def test_ranks_that_do_not_divide_the_kv_heads_are_refused(folder):
     assert r.returncode != 0 and "'eval needle' does not run tensor parallel" in r.stderr
     r = torchrun("bench", "--model", folder, "--vs-hf")
     assert r.returncode != 0 and "'bench --vs-hf' does not run tensor parallel" in r.stderr
+
+
+def test_a_single_kv_head_is_refused_under_torchrun(tiny):
+    """Gemma 3 270M's shape: one KV head cannot be split over two ranks; h2o-mini's one line comes first (torchrun
+    then adds its own failure report)."""
+    r = torchrun("eval", "ppl", "--model", add_byte_tokenizer(tiny("gemma3_hybrid")[0]), "--text", GPL3, "--tokens", 32)
+    assert r.returncode != 0 and r.stdout == ""
+    assert "h2o-mini: error: tensor parallel over 2 ranks splits the KV heads, and this model has only 1 (fewer " \
+           "than the ranks): run it in one process" in r.stderr
+    assert "Traceback" not in r.stderr[:r.stderr.index("h2o-mini: error")]
 
 
 def test_a_shard_takes_its_heads_and_its_mlp_columns():

@@ -3,7 +3,8 @@
 Only safetensors are read, never pickles. The name map is strict: each checkpoint tensor is used exactly
 once and each model parameter is filled exactly once, with its shape checked; anything else is a one-line
 `UserError` naming the tensor. Family quirks live here, not in the model: OPT's learned positions carry an
-offset of 2 rows, GPT-NeoX fuses Q, K and V per head into one matrix.
+offset of 2 rows, GPT-NeoX fuses Q, K and V per head into one matrix, Phi-3 fuses Q|K|V and gate|up, and a
+Gemma 3 image-text checkpoint nests its decoder under `language_model` beside a vision tower that is skipped.
 """
 from __future__ import annotations
 
@@ -68,8 +69,24 @@ NAME_MAPS = {
 NAME_MAPS["qwen2"] = NAME_MAPS["mistral"] = NAME_MAPS["llama"]
 NAME_MAPS["qwen3"] = NAME_MAPS["llama"] + [
     (_LAYER.format("layers") + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.attn.\2_norm.weight")]
-# Old GPT-NeoX checkpoints saved these buffers; they are recomputed, not weights.
-_BUFFERS = re.compile(r".*\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+# Gemma: LLaMA's attention and MLP names, four norms per block (HF's post_attention_layernorm is the norm *after*
+# attention here, not before the MLP), q/k norms (Gemma 3); a multimodal Gemma 3 nests it all under language_model
+_GEMMA = r"(?:model\.)?(?:language_model\.)?(?:model\.)?"
+NAME_MAPS["gemma2"] = NAME_MAPS["gemma3"] = [
+    (_GEMMA + r"embed_tokens\.weight", "tok_emb.weight"),
+    (_GEMMA + r"norm\.weight", "norm_f.weight"),
+    (r"(?:language_model\.)?lm_head\.weight", "lm_head.weight"),
+    (_GEMMA + r"layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.(weight|bias)", r"layers.\1.attn.w\2.\3"),
+    (_GEMMA + r"layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", r"layers.\1.attn.\2_norm.weight"),
+    (_GEMMA + r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.w_\2.weight"),
+    (_GEMMA + r"layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.norm1.weight"),
+    (_GEMMA + r"layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.post_attn_norm.weight"),
+    (_GEMMA + r"layers\.(\d+)\.pre_feedforward_layernorm\.weight", r"layers.\1.norm2.weight"),
+    (_GEMMA + r"layers\.(\d+)\.post_feedforward_layernorm\.weight", r"layers.\1.post_mlp_norm.weight"),
+]
+# Tensors that fill nothing: old GPT-NeoX checkpoints' buffers (recomputed, not weights); Gemma 3's vision tower.
+_SKIPPED = {"gpt_neox": re.compile(r".*\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$"),
+            "gemma3": re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*")}
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -120,13 +137,13 @@ def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def rename(cfg: Config, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint tensor -> the model tensors it fills, applying the family's quirks. An unknown name is a
-    UserError; old NeoX buffers fill nothing."""
+    UserError; old NeoX buffers and Gemma 3's vision tower fill nothing."""
     for pattern, template in NAME_MAPS[cfg.family]:
         if re.fullmatch(pattern, name):
             target = re.sub(pattern, template, name)
             break
     else:
-        if cfg.family == "gpt_neox" and _BUFFERS.fullmatch(name):
+        if cfg.family in _SKIPPED and _SKIPPED[cfg.family].fullmatch(name):
             return []
         raise UserError(f"unexpected tensor {name} in the checkpoint (not part of a {cfg.family} model)")
     if target == "pos_emb.weight":  # OPT reserves rows 0-1 of its position table (HF's offset of 2)
@@ -176,6 +193,8 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str 
         if name not in weights:
             raise UserError(f"the checkpoint lacks the tensor for {name} (shape {tuple(shape)})")
     model.load_state_dict(weights, assign=True)
-    if cfg.rotary_dim:
+    if cfg.rotary_dim:  # buffers are not in the checkpoint: computed here, off the meta device
         model.inv_freq = rope_inv_freq(cfg).to(device)
+        if model.local_rope:
+            model.inv_freq_local = rope_inv_freq(cfg, local=True).to(device)
     return model.requires_grad_(False).eval()

@@ -3,6 +3,7 @@
     python docs/results_tables.py [docs/results]              # docs/run_results.sh
     python docs/results_tables.py docs/results leaderboard  # docs/run_leaderboard.sh
     python docs/results_tables.py docs/results workbench    # docs/run_workbench.sh
+    python docs/results_tables.py docs/results models       # docs/run_two_models.sh
 """
 import json
 import sys
@@ -80,6 +81,51 @@ def workbench():
             print(f"| {spec} | " + " | ".join(cells) + " |")
 
 
+MODELS = {"default": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+
+
+def models():
+    """SmolLM2 against Gemma 3 (docs/run_two_models.sh): every policy's ppl and KV bytes, the needle, the bench."""
+    for text in ("GPL-3", "GFDL-1.3"):
+        boards = {m: rows(f"models_{m}_{text}.jsonl") for m in MODELS}
+        if not any(boards.values()):
+            continue
+        budgets = sorted({r["budget"] for b in boards.values() for r in b if r["budget"]}, key=float)
+        print(f"\n### {text}, 4096 tokens: ppl / top-1 agreement with full / KV MiB\n")
+        print("| policy | " + " | ".join(f"{MODELS[m]} {b or 'all'}" for m in MODELS for b in budgets) + " |")
+        print("|---|" + "---|" * len(MODELS) * len(budgets))
+        names = dict.fromkeys(r["policy"] for b in boards.values() for r in b)
+        for policy in names:
+            cells = []
+            for m in MODELS:
+                for b in budgets:
+                    r = next((r for r in boards[m] if r["policy"] == policy and r["budget"] in (b, None)), None)
+                    cells.append("" if r is None else f"{r['ppl']:.2f} / {r['top1_agree_full']:.3f} / "
+                                 f"{r['kv_bytes'] / 2**20:.1f}")
+            print(f"| {policy} | " + " | ".join(cells) + " |")
+    print("\n### Needle (found / depths 0.1, 0.5, 0.9; dense prefill)\n")
+    lengths = (1024, 2048, 4096)
+    print("| model | policy | budget | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("|---|---|---|" + "---|" * len(lengths))
+    for m in MODELS:
+        cells = rows(f"models_needle_{m}.jsonl")
+        for key in dict.fromkeys((c["policy"], c["budget"]) for c in cells):
+            per = [[c["found"] for c in cells if (c["policy"], c["budget"]) == key and c["length"] == n] for n in lengths]
+            print(f"| {MODELS[m]} | {key[0]} | {key[1] or 'all'} | " + " | ".join(f"{sum(f)}/{len(f)}" for f in per) + " |")
+    bench = rows("models_bench_gemma3-270m.jsonl")
+    if bench:
+        print("\n### bench, Gemma 3 270M, batch 1, 32 new tokens\n")
+        print("| policy | budget | prompt | C | KV MiB | prefill s | decode tok/s | peak MiB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in bench:
+            print(f"| {r['policy']} | {r['budget'] or 'all'} | {r['prompt_tokens']} | {r['capacity']} | "
+                  f"{r['kv_bytes'] / 2**20:.1f} | {r['prefill_s']:.1f} | {r['decode_tok_s']:.2f} | "
+                  f"{(r['peak_mem_bytes'] or 0) / 2**20:.0f} |")
+
+
+if "models" in sys.argv:
+    models()
+    sys.exit()
 if "leaderboard" in sys.argv:
     leaderboard()
     sys.exit()

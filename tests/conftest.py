@@ -66,7 +66,8 @@ def _gemma(config_name: str, **kw):
 TINY = {
     "llama_mha": lambda: _llama(),
     "llama_gqa_tied": lambda: _llama(num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True),
-    "llama3_rope_scaling": lambda: _llama(num_key_value_heads=1, rope_scaling={
+    # Llama 3.2 1B/3B's shape: tied embeddings, Llama 3 rope scaling, GQA
+    "llama3_rope_scaling": lambda: _llama(num_key_value_heads=1, tie_word_embeddings=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}),
     "opt_pre_ln_proj": lambda: _opt(word_embed_proj_dim=32),

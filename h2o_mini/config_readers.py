@@ -169,9 +169,10 @@ def _gemma(f: Fields, family: str) -> Config:
     gemma3 = family == "gemma3"
     rope = _rope(f, theta=1_000_000.0 if gemma3 else 10000.0)
     local = _rope(f, "sliding_attention", f.positive("rope_local_base_freq", 10000.0)) if gemma3 else rope
-    if local["rope_llama3"] or local["rope_linear"] != 1.0 or local["share"] != 1.0 or rope["share"] != 1.0:
-        raise UserError(f"{f.path}: a rope scaling on Gemma's sliding layers, or a partial rotary share, is not "
-                        "supported")
+    if gemma3 and (local["rope_llama3"] or local["rope_linear"] != 1.0):  # Gemma 2: one RoPE for every layer
+        raise UserError(f"{f.path}: a rope scaling on Gemma 3's sliding layers is not supported")
+    if local["share"] != 1.0 or rope["share"] != 1.0:
+        raise UserError(f"{f.path}: a partial rotary share on Gemma is not supported")
 
     def cap(key: str, default: float | None) -> float | None:  # transformers' default when the key is absent
         return f.positive(key, None) if key in f.hf else default
@@ -186,7 +187,7 @@ def _gemma(f: Fields, family: str) -> Config:
         n_kv_head=f.count("num_key_value_heads", n_head), d_model=d, head_dim=head_dim,
         d_ff=f.count("intermediate_size"), max_seq_len=f.count("max_position_embeddings", 8192),
         norm="rms_1p", norm_eps=f.positive("rms_norm_eps", 1e-6), act=_act(act), gated_mlp=True,
-        rotary_dim=head_dim, rope_theta=rope["rope_theta"], rope_linear=rope["rope_linear"],
+        rotary_dim=head_dim, rope_theta=rope["rope_theta"], rope_linear=rope["rope_linear"], rope_llama3=rope["rope_llama3"],
         rope_theta_local=local["rope_theta"] if gemma3 else None, attn_bias=bias, out_bias=bias, qk_norm=gemma3,
         windows=_windows(f, n_layer, f.count("sliding_window_pattern", 6) if gemma3 else 2),
         embed_scale=True, sandwich_norm=True, attn_scalar=f.positive("query_pre_attn_scalar", 256.0),

@@ -36,6 +36,19 @@ def test_gemma3_older_config_keys_read_as_transformers_5s(tiny, tmp_path):
 def test_gemma2_alternates_sliding_and_global_layers_by_default(tiny, tmp_path):
     cfg = Config.from_hf(_edited(tiny, tmp_path, "gemma2_softcap", {"num_hidden_layers": 4}, drop=("layer_types",)))
     assert cfg.windows == (5, None, 5, None) and (cfg.attn_softcap, cfg.logit_softcap) == (2.0, 5.0)
+    # absent caps are transformers' defaults (50 / 30); null ones are no cap
+    cfg = Config.from_hf(_edited(tiny, tmp_path / "b", "gemma2_softcap", {}, drop=("attn_logit_softcapping",
+                                                                                   "final_logit_softcapping")))
+    assert (cfg.attn_softcap, cfg.logit_softcap) == (50.0, 30.0)
+    cfg = Config.from_hf(_edited(tiny, tmp_path / "c", "gemma2_softcap", {"attn_logit_softcapping": None}))
+    assert cfg.attn_softcap is None
+
+
+def test_gemma2_rope_scaling_applies_to_every_layer(tiny, tmp_path):
+    """Gemma 2 has one RoPE for sliding and global layers: a linear scaling is read for all, not refused."""
+    cfg = Config.from_hf(_edited(tiny, tmp_path, "gemma2_softcap", {"rope_parameters": {
+        "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}))
+    assert cfg.rope_linear == 4.0 and cfg.rope_theta_local is None
 
 
 def test_image_text_gemma3_checkpoint_loads_its_text_decoder(tmp_path):
@@ -64,7 +77,7 @@ def test_image_text_gemma3_checkpoint_loads_its_text_decoder(tmp_path):
     ("gemma3_hybrid", {"rope_parameters": {"sliding_attention": {"rope_type": "dynamic", "factor": 2.0},
                                            "full_attention": {"rope_type": "default"}}}, "unsupported rope type 'dynamic'"),
     ("gemma3_hybrid", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
-                                           "full_attention": {"rope_type": "default"}}}, "a rope scaling on Gemma's sliding"),
+                                           "full_attention": {"rope_type": "default"}}}, "a rope scaling on Gemma 3's sliding"),
     ("gemma2_softcap", {"hidden_activation": "gelu_erf_new"}, "unsupported activation 'gelu_erf_new'"),
 ])
 def test_what_gemma_does_not_implement_is_refused_by_name(tiny, tmp_path, name, edit, needle):

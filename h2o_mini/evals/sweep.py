@@ -140,13 +140,16 @@ def save_sweep_plot(kind: str, results: dict[tuple, list[dict]], out, title: str
     plt, fig, axes = figure(1, (6.4, 4.6))
     ax = axes[0]
     rows = summary(kind, results)
-    for policy in dict.fromkeys(r["policy"] for r in rows):
+    # every registered policy is 15 lines: 20 distinct colours and a marker each, so no two lines look alike
+    colours, markers = plt.get_cmap("tab20").colors, "osD^vP*Xh<>p"
+    for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         mine = sorted((float(r["budget"]), r[name]) for r in rows if r["policy"] == policy and r["budget"])
         if not mine:
             value = next(r[name] for r in rows if r["policy"] == policy)
             ax.axhline(value, color="black", linestyle="--", label=f"{policy}")
             continue
-        ax.plot([b for b, _ in mine], [v for _, v in mine], marker="o", label=policy)
+        ax.plot([b for b, _ in mine], [v for _, v in mine], marker=markers[i % len(markers)],
+                color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], label=policy)
     ax.set_xscale("log")
     ticks = sorted({float(r["budget"]) for r in rows if r["budget"]})
     plain_log_axis(ax.xaxis, ticks)
@@ -158,5 +161,5 @@ def save_sweep_plot(kind: str, results: dict[tuple, list[dict]], out, title: str
     ax.set_ylabel({"ppl": "perplexity (lower is better)", "needle": "needle found (share of cells)",
                    "tasks": "task score"}[kind])
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: never over a line
     save(plt, fig, out)

@@ -2,8 +2,8 @@
 
 A random number is planted in a sentence ("The secret number is 481923.") at a relative depth of real filler
 text; the question comes last; the answer is generated greedily and `found` says whether it holds the
-number. The prompt is wrapped in the checkpoint's chat template when it has one, and is exactly `length`
-tokens long. The two prefill modes ask different questions of a policy: with `dense` it chooses what to
+number. The prompt is wrapped in the checkpoint's chat template when it has one (else it ends with the start of
+the answer, which a base model completes), and is exactly `length` tokens long. The two prefill modes ask different questions of a policy: with `dense` it chooses what to
 keep after reading the question; with `stream` it must evict before the question arrives.
 (Kamradt, 2023, "Needle in a haystack"; the policy comparison follows RULER's single-needle task,
 Hsieh et al., 2024, arXiv 2404.06654.)
@@ -22,14 +22,17 @@ from ..generate import Decoder
 
 NEEDLE = " The secret number is {n}. "
 QUESTION = "\n\nWhat is the secret number in the text above? Answer with the number only."
+# A base model (no chat template) continues text rather than answering: it is given the answer's start
+ANSWER_START = "\n\nThe secret number in the text above is"
 ANSWER_TOKENS = 24
 
 
 def parts(lm: LM, chat: bool | None) -> tuple[list[int], list[int]]:
-    """The token ids that come before the user's text and after it (the chat template's, when used)."""
+    """The token ids that come before the user's text and after it: the chat template's, when used; else the BOS
+    (where the tokenizer adds one) and the start of the answer, for the model to complete."""
     tok = lm.tokenizer
     if chat is False or (chat is None and not tok.chat_template):
-        return tok.encode(""), []  # the BOS, where the tokenizer adds one
+        return tok.encode(""), tok.encode(ANSWER_START, special=False)
     marker = "\u2063"  # a character no template contains: where the user's text goes
     before, after = tok.apply_chat_template(marker).split(marker)
     return tok.encode(before, special=False), tok.encode(after, special=False)

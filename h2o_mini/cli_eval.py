@@ -48,7 +48,19 @@ def ppl_options(f):
     return click.option("--text", "text_path", required=True, help="a UTF-8 text file, or - for standard input")(f)
 
 
+def lm_eval_seed(ctx, param, value):
+    """lm_eval's --seed: one integer for all four seeds, or four (python, numpy, torch, few-shot sampler)."""
+    if len(value) == 1:
+        value = value * 4
+    if len(value) != 4 or any(v < 0 for v in value):
+        raise click.BadParameter("give one integer >= 0, or four (python, numpy, torch, few-shot sampler)")
+    return tuple(value)
+
+
 def tasks_options(f):
+    f = click.option("--seed", default="0,1234,1234,1234", show_default=True, type=ListOf(int),
+                     callback=lm_eval_seed, help="lm_eval's --seed: python, numpy, torch and few-shot sampler seeds "
+                     "(one integer sets all four); the few-shot examples depend on the last")(f)
     f = click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]),
                      help="for generate_until requests (log-likelihoods are always scored in stream mode)")(f)
     f = click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1, 1024))(f)
@@ -139,9 +151,11 @@ Examples:
 @one_policy("tasks")
 @tasks_options
 @click.option("--output", default=None, help="also write the JSON object to this .json file")
+@click.option("--log-samples", is_flag=True, help="with --output: also every request and its answer, per task "
+              "(lm-eval's samples)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (lm-eval's results and the policy)")
 def tasks(model, dtype, device, policies, budgets, recent, kv_bits, tasks, include_path, num_fewshot, limit,
-          batch_size, prefill, output, as_json):
+          batch_size, prefill, seed, output, log_samples, as_json):
     """Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) with h2o-mini under one policy (several: 'eval
     sweep tasks'). A fractional --budget is taken of each request's own length. The shipped task
     gpl_next_sentence works offline."""
@@ -149,12 +163,15 @@ def tasks(model, dtype, device, policies, budgets, recent, kv_bits, tasks, inclu
     harness = _harness()
     if output:
         check_output(output, (".json",))
+    elif log_samples:
+        raise UserError("--log-samples writes the samples into --output FILE.json: give one")
     lm = api.load(model, dtype, device)
     results = harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
-                                prefill, progress=not as_json, kv_bits=kv_bits)
+                                prefill, log_samples=log_samples, progress=not as_json, kv_bits=kv_bits, seed=seed)
     row = task_result(results, str(model), policy, budget)
     if output:
-        write_atomic(output, lambda tmp: tmp.write_text(json.dumps(row, indent=2, default=str)))
+        saved = dict(row, samples=results["samples"]) if log_samples else row
+        write_atomic(output, lambda tmp: tmp.write_text(json.dumps(saved, indent=2, default=str)))
     if as_json:
         click.echo(json.dumps(row, default=str))
     else:

@@ -14,7 +14,7 @@ from .cli_eval import _harness, needle_options, ppl_options, repeatable_policies
 from .cli_options import IMAGE, model_options
 from .evals.sweep import check_budget_kinds, points, run_sweep, save_sweep_plot, table
 from .files import check_output, read_text
-from .policies import recent_if_taken
+from .policies import LOOKAHEAD, REGISTRY, recent_if_taken
 
 
 def sweep_options(f):
@@ -69,7 +69,9 @@ Example:
 @ppl_options
 def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, text_path, tokens,
               compare_full, chunk, compile):
-    """eval ppl (with --compare-full always on; full's pass is made once) at every point."""
+    """eval ppl (with --compare-full always on; full's pass is made once) at every point; by default every
+    registered policy and the hindsight reference. The table gives each point's share of h2o's gap to full
+    and of hindsight's gain over local at the same budget, where those points are in the sweep."""
     from .evals.ppl import full_logprobs
     check_plot(plot_path, budgets)
     text = read_text(text_path)
@@ -83,7 +85,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
         return [api.perplexity(lm, text, tokens, p, b, recent_if_taken(p, recent), True, chunk, compile, reference[0],
                                progress=False, kv_bits=kv_bits)]
     title = f"{lm.folder.name}: perplexity under eviction, {tokens} tokens of {Path(text_path).name}"
-    _sweep("ppl", policies, budgets, out, plot_path, as_json, title, point,
+    _sweep("ppl", policies or (*REGISTRY, *LOOKAHEAD), budgets, out, plot_path, as_json, title, point,
            settings(lm, dtype, kv_bits, recent, text, tokens=tokens))
 
 
@@ -114,7 +116,7 @@ Example:
 @sweep_options
 @tasks_options
 def sweep_tasks(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, tasks,
-                include_path, num_fewshot, limit, batch_size, prefill):
+                include_path, num_fewshot, limit, batch_size, prefill, seed):
     """eval tasks at every point; a point's score is the first task's main metric (acc where it has one)."""
     harness = _harness()
     check_plot(plot_path, budgets)
@@ -123,7 +125,7 @@ def sweep_tasks(model, dtype, device, policies, budgets, recent, kv_bits, out, p
     include = str(Path(include_path).resolve()) if include_path else None
     _sweep("tasks", policies, budgets, out, plot_path, as_json, title, lambda p, b: [task_result(
         harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, p, b, recent_if_taken(p, recent),
-                          prefill, progress=False, kv_bits=kv_bits), str(model), p, b)],
+                          prefill, progress=False, kv_bits=kv_bits, seed=seed), str(model), p, b)],
            settings(lm, dtype, kv_bits, recent, tasks=tasks, include_path=include, num_fewshot=num_fewshot,
-                    limit=limit, prefill=prefill))
+                    limit=limit, prefill=prefill, seed=list(seed)))
 

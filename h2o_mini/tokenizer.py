@@ -79,12 +79,12 @@ class Tokenizer:
         ids = self._tok.encode(text, allowed_special="all") if self.kind == "tiktoken" else self._tok.encode(text)
         return ([self._bos] if special and self._bos is not None else []) + list(ids)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
         if self.kind == "tokenizers":
-            return self._tok.decode(ids, skip_special_tokens=True)
+            return self._tok.decode(ids, skip_special_tokens=skip_special)
         if self.kind == "tiktoken":
-            return self._tok.decode([i for i in ids if i not in self._special_ids.values()])
-        return self._tok.decode(ids)
+            return self._tok.decode([i for i in ids if not skip_special or i not in self._special_ids.values()])
+        return self._tok.decode(ids) if skip_special else "".join(self._tok.id_to_piece(ids))
 
     def token_id(self, text: str | None) -> int | None:
         if text is None:

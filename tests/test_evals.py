@@ -64,8 +64,7 @@ def test_full_policy_equals_lm_evals_hf_backend(lm, folder, task_dir):
     # the byte tokenizer has no BOS/EOS: both sides use the config's EOS (2) as the empty-context prefix
     theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32,device=cpu,prefix_token_id=2",
                              tasks=["tiny_choice"], num_fewshot=1, task_manager=TaskManager(include_path=str(task_dir)),
-                             log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                             fewshot_random_seed=0)
+                             log_samples=True)  # lm-eval's default seeds, as run_tasks uses
     a, b = _lls(ours), _lls(theirs)
     assert len(a) == len(b) == 18
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4

@@ -2,13 +2,14 @@
 
 `PolicyLM` is an `lm_eval` model (a `TemplateLM`, itself an `lm_eval.api.model.LM`): the harness builds the
 requests (few-shot contexts, choices) and computes the metrics; this class only answers them with h2o-mini
-under a policy, the way the H2O paper evaluated (Zhang et al., 2023, Sec. 5):
+under a policy, the way the H2O paper evaluated (Zhang et al., 2023, Sec. 5). Under `full` it answers what
+lm-eval's own `hf` backend answers on the same weights (docs/evaluation.md says how, tests/test_lm_eval_parity.py
+checks it): the same tokens, the same truncation, the same seeds, the same generation stops.
 
 * `loglikelihood`: context + continuation are scored teacher-forced in stream mode, so eviction happens
   inside the few-shot context exactly as the spec's evaluation rule says (every token through the rule).
-  Tokenization and truncation follow lm-eval's `hf` backend, so `--policy full` reproduces its numbers.
 * `loglikelihood_rolling`: lm-eval's rolling windows of the model's length, each scored the same way.
-* `generate_until`: h2o-mini's generation loop (greedy), cut at the request's stop strings.
+* `generate_until`: h2o-mini's generation loop (greedy), cut at the request's stop strings and the end token.
 
 A fractional budget is taken of each request's own length (the paper's convention); a token count is used
 as is. Requests are batched (left-padded rows) among those that get the same policy.
@@ -24,12 +25,14 @@ from pathlib import Path
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
 from ..api import LM
 from ..errors import UserError
 from ..generate import Decoder
 from ..policies import make_policy
+from ..policies.base import check_causal
 from .ppl import teacher_forced
 
 
@@ -42,7 +45,7 @@ class PolicyLM(TemplateLM):
         self.lm, self.policy, self.budget, self.recent, self.prefill = lm, policy, budget, recent, prefill
         self.batch_size = batch_size
         self.decoder = Decoder(lm.model, compile=compile, chunk=chunk, kv_bits=kv_bits)
-        make_policy(policy, budget, 1000, recent)  # a bad budget fails here, before any request
+        check_causal(make_policy(policy, budget, 1000, recent))  # a bad policy fails here, before any request
         self.kv_bytes = 0  # the largest cache one request has held (one row)
 
     def policy_for(self, length: int):
@@ -53,13 +56,14 @@ class PolicyLM(TemplateLM):
     # -- what TemplateLM needs to tokenize as the hf backend does --
     @property
     def eot_token_id(self) -> int:
-        eos = self.lm.eos_ids
-        return eos[0] if eos else self.prefix_token_id
+        """The tokenizer's end token (the hf backend's), else the config's first."""
+        eos = self.lm.tokenizer.token_id(self.lm.tokenizer.special.get("eos_token"))
+        return eos if eos is not None else (self.lm.eos_ids or (0,))[0]
 
     @property
     def prefix_token_id(self) -> int:
         bos = self.lm.tokenizer.token_id(self.lm.tokenizer.special.get("bos_token"))
-        return bos if bos is not None else (self.lm.eos_ids or (0,))[0]
+        return bos if bos is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:
@@ -123,13 +127,16 @@ class PolicyLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """As the hf backend: the context left-truncated to max_length - max_gen_toks, greedy tokens up to the
+        end token or max_gen_toks, the text cut at the first of the stop strings (lm-eval adds the end token's
+        text to them)."""
         out = []
+        eos = self.lm.tokenizer.decode([self.eot_token_id], skip_special=False)  # as text, a stop string
         bar = tqdm([r.args for r in requests], desc="generate", disable=disable_tqdm or self.quiet or None)
-        for context, kwargs in bar:
-            kwargs = dict(kwargs or {})
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.pop("max_gen_toks", 256))
+        for context, gen_kwargs in bar:
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), 256)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = kwargs.pop("max_gen_toks")
             if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
                 raise UserError("eval tasks generates greedily; a task asked for sampling")
             ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
@@ -137,26 +144,24 @@ class PolicyLM(TemplateLM):
             tokens = []
             for t in self.decoder.complete(ids, policy, max_new, self.prefill, self.lm.eos_ids):
                 tokens.append(t)
-                text = self.tok_decode(tokens)
-                if any(stop in text for stop in until):
+                if any(stop and stop in self.tok_decode(tokens) for stop in until):
                     break
-            text = self.tok_decode(tokens)
-            for stop in until:
-                text = text.split(stop)[0]
-            out.append(text)
+            out.append(postprocess_generated_text(self.tok_decode(tokens), until, None))
         return out
 
 
 SHIPPED_TASKS = Path(__file__).with_name("tasks")  # gpl_next_sentence: an offline example task
+LM_EVAL_SEEDS = (0, 1234, 1234, 1234)  # lm_eval's --seed default (random, numpy, torch, few-shot sampler)
 
 
 def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_fewshot: int | None = None,
               limit: int | None = None, batch_size: int = 8, policy: str = "full", budget=None, recent=None,
               prefill: str = "dense", log_samples: bool = False, compile: bool = False,
-              progress: bool = True, kv_bits: int | None = None) -> dict:
+              progress: bool = True, kv_bits: int | None = None, seed: tuple = LM_EVAL_SEEDS) -> dict:
     """`lm_eval.simple_evaluate` with h2o-mini under a policy; the shipped tasks are always available.
     Returns lm-eval's results, plus "kv": the stored bits of keys and values and the largest cache one
-    request held (bytes)."""
+    request held (bytes). seed: python's, numpy's, torch's and the few-shot sampler's seeds, lm-eval's own
+    defaults unless given (the few-shot examples, and so every number, depend on the last one)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local data only: no hub at run time
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
@@ -168,8 +173,9 @@ def run_tasks(lm: LM, tasks: list[str], include_path: str | None = None, num_few
     with quiet_harness():
         manager = _task_manager(tasks, paths)
         results = simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                  task_manager=manager, log_samples=log_samples, batch_size=batch_size, random_seed=0,
-                                  numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+                                  task_manager=manager, log_samples=log_samples, batch_size=batch_size,
+                                  random_seed=seed[0], numpy_random_seed=seed[1], torch_random_seed=seed[2],
+                                  fewshot_random_seed=seed[3])
     return dict(results, kv={"kv_bits": model.decoder.stored_bits, "kv_bytes": model.kv_bytes})
 
 

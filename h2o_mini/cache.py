@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .config import Config
 from .policies import Policy
-from .policies.base import keep_scores
+from .policies.base import check_causal, keep_scores
 from .quant import cat_slots, codec, gather_slots, scatter_slots_
 
 
@@ -238,6 +238,7 @@ class KVCache:
         """Room for sequences of up to `length` tokens: layer i holds `policy.layer_capacity(i, n_layer, length)`
         tokens per row and KV head (never more than `length`). kv_bits: None, 8 or 4 (see `quant.py`).
         device: None = torch's default device (like its tensor factories)."""
+        check_causal(policy)  # every command that runs a policy token by token builds its cache here
         device = torch.get_default_device() if device is None else device
         self.policy, self.length = policy, length
         self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it

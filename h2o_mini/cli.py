@@ -25,7 +25,7 @@ from .cli_eval import eval_
 from .cli_sweep import sweep
 from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
                           model_options, policy_options)
-from .policies import BUDGET_HELP, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
+from .policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from .policies.plugins import PluginError, installed
 from .weights.prepared import MODELS
 
@@ -59,7 +59,7 @@ def policies():
     """List the eviction policies, built in and installed (entry-point group h2o_mini.policies): where each
     comes from, the rule it applies, its parameters, and what --budget 64 (and --recent, where it applies)
     makes of them. A policy in a file is used as --policy path/to/file.py:ClassName."""
-    for name in [*REGISTRY, *installed()]:
+    for name in [*REGISTRY, *LOOKAHEAD, *installed()]:
         try:
             spec = resolve(name)
         except PluginError as e:  # one broken plugin does not hide the others

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
+from ..errors import UserError
 from ..generate import Decoder, left_pad
 from ..model import Transformer
 from ..parallel import kv_bytes
-from ..policies import Policy
+from ..policies import H2O, Policy
+from .hindsight import hindsight_logits
 
 
 @torch.inference_mode()
@@ -38,8 +40,16 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
         full_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     decoder = Decoder(model, compile=compile, chunk=chunk, kv_bits=kv_bits)
-    chunks = tqdm(teacher_forced(decoder, policy, [ids]), total=-(-T // chunk), desc=f"eval {policy.name}",
-                  unit="chunk", disable=None if progress else True, leave=False)
+    if policy.lookahead:  # hindsight: its choices read from a full pass first, then applied as a mask
+        if kv_bits:
+            raise UserError(f"policy {policy.name!r} is evaluated with keys and values as the model computes them: "
+                            "leave out --kv-bits")
+        logits = hindsight_logits(model, ids, policy, chunk)
+        slots = decoder.cache_bytes(H2O(**policy.params()), 1, T)  # what a cache of its capacities holds
+    else:
+        logits, slots = teacher_forced(decoder, policy, [ids]), decoder.cache_bytes(policy, 1, T)
+    chunks = tqdm(logits, total=-(-T // chunk), desc=f"eval {policy.name}", unit="chunk",
+                  disable=None if progress else True, leave=False)
     # Each chunk is scored as it comes and dropped: at a 262k vocabulary (Gemma) a (T, V) tensor is GBs.
     sums = torch.zeros(3, dtype=torch.float64)  # NLL, top-1 agreements with full, KL(full || policy)
     for s, logits in chunks:
@@ -55,7 +65,7 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
     nll, agree, kl = (sums / (T - 1)).tolist()
     out = {"policy": policy.name, "params": _params(policy), "capacity": min(policy.capacity or T, T),
            "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3),
-           "kv_bits": decoder.stored_bits, **kv_bytes(model, decoder.cache_bytes(policy, 1, T))}
+           "kv_bits": decoder.stored_bits, **kv_bytes(model, slots)}
     if compare_full:
         out.update(top1_agree_full=agree, kl_full=kl, seconds_full=round(full_seconds, 3))
     return out

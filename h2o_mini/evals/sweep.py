@@ -125,12 +125,35 @@ def summary(kind: str, results: dict[tuple, list[dict]]) -> list[dict]:
     return [{"policy": p, "budget": b, name: metric(rows)} for (p, b), rows in results.items()]
 
 
+def share(value: float, worse: float | None, better: float | None) -> float | None:
+    """How much of the way from `worse` to `better` a value goes (1: all of it; negative: the wrong way)."""
+    return None if worse is None or better is None or worse == better else (worse - value) / (worse - better) + 0.0
+
+
+def gaps(rows: list[dict]) -> list[dict]:
+    """Perplexity rows with two shares of h2o's shortfall that a policy closes at its budget: of h2o's gap to
+    full (`of_h2o_gap`: what keeping everything would give) and of its gap to hindsight (`of_hindsight`: what a
+    choice of the same number of tokens made with the text ahead gives), where the sweep has those points."""
+    at = {(r["policy"], r["budget"]): r["ppl"] for r in rows}
+    full = next((r["ppl"] for r in rows if r["policy"] == "full"), None)
+    return [dict(r, of_h2o_gap=share(r["ppl"], at.get(("h2o", r["budget"])), full) if r["budget"] else None,
+                 of_hindsight=share(r["ppl"], at.get(("h2o", r["budget"])), at.get(("hindsight", r["budget"]))))
+            for r in rows]
+
+
 def table(kind: str, results: dict[tuple, list[dict]]) -> str:
     name = METRICS[kind][0]
     width = max([14] + [len(p) + 2 for p, _ in results])
-    lines = [f"{'policy':<{width}}{'budget':>8}  {name}"]
-    for row in summary(kind, results):
-        lines.append(f"{row['policy']:<{width}}{row['budget'] or 'all':>8}  {row[name]:.4f}")
+    rows = summary(kind, results)
+    shares = kind == "ppl" and any(r["policy"] in ("h2o", "hindsight") for r in rows)
+    lines = [f"{'policy':<{width}}{'budget':>8}  {name:>9}" + ("  of h2o's gap to full  of h2o's gap to hindsight"
+                                                                if shares else "")]
+    for row in gaps(rows) if shares else rows:
+        line = f"{row['policy']:<{width}}{row['budget'] or 'all':>8}  {row[name]:>9.4f}"
+        if shares:
+            line += "".join(f"  {'' if v is None else f'{v:+.0%}':>{w}}" for v, w in
+                            ((row["of_h2o_gap"], 20), (row["of_hindsight"], 25)))
+        lines.append(line.rstrip())
     return "\n".join(lines)
 
 

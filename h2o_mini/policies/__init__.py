@@ -8,6 +8,7 @@ from .a2sf import A2SF
 from .full import Full
 from .h2o import H2O
 from .heavy_hitter import HeavyHitter
+from .hindsight import Hindsight
 from .keydiff import KeyDiff
 from .knorm import KNorm
 from .local import Local
@@ -25,11 +26,14 @@ from ..errors import UserError, note
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (
     Full, Local, HeavyHitter, H2O, Sinks, TOVA, Scissorhands, SnapKV, PyramidKV, KNorm, KeyDiff, A2SF, VATP, PagedH2O,
     RKV)}
+# Policies that read the text ahead: `--policy` knows them, only `eval ppl` / `eval sweep ppl` run them, and the
+# registry's conformance kit (which runs every policy causally) does not iterate over them.
+LOOKAHEAD: dict[str, type[Policy]] = {Hindsight.name: Hindsight}
 
 
 def resolve(spec: "str | Spec") -> Spec:
     """A `--policy` value (`h2o`, `a2sf:gamma=0.9`, `my.py:MyRule`, an installed name) resolved to its class."""
-    return spec if isinstance(spec, Spec) else parse_spec(spec, REGISTRY)
+    return spec if isinstance(spec, Spec) else parse_spec(spec, {**REGISTRY, **LOOKAHEAD})
 
 
 def make_policy(spec: "str | Spec", budget: str | float | int | None, length: int,
@@ -76,4 +80,5 @@ def takes_recent_names() -> list[str]:
 
 __all__ = ["recent_if_taken", "budget_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy",
            "resolve", "Spec", "PluginError", "param", "Full", "Local", "HeavyHitter", "H2O", "Sinks", "TOVA",
-           "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV"]
+           "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV",
+           "Hindsight", "LOOKAHEAD"]

@@ -63,6 +63,7 @@ class Policy:
     across_slots: ClassVar[bool] = False  # keep_score reads other slots (their scores or positions), not one alone
     takes_recent: ClassVar[bool] = False  # whether --recent splits C for this policy
     takes_budget: ClassVar[bool] = True  # False: the policy keeps every token (full)
+    lookahead: ClassVar[bool] = False  # True: it reads the text ahead (hindsight), so only an evaluation runs it
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -144,6 +145,13 @@ def keep_scores(policy: Policy, score, pos, t, keys=None, values=None) -> torch.
     if policy.needs_values:
         return policy.keep_score(score, pos, t, keys, values=values)
     return policy.keep_score(score, pos, t, keys)
+
+
+def check_causal(policy: Policy) -> None:
+    """Refuses a policy that reads the text ahead (hindsight) wherever tokens are taken one at a time."""
+    if policy.lookahead:
+        raise UserError(f"policy {policy.name!r} reads the text ahead (it keeps what future queries will attend), "
+                        "so only 'eval ppl' and 'eval sweep ppl' can run it")
 
 
 def check_param(owner: str, f, kind, value):

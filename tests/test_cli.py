@@ -81,7 +81,7 @@ def test_bad_checkpoints(folder, tmp_path):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "lacks the tensor for layers.1.mlp.w_up.weight"),
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "lacks the tensor model.layers.1.mlp.up_proj.weight"),
     (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}), "unexpected tensor model.layers.0.extra"),
     (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), "norm_f.weight has shape (3,), expected (64,)"),
 ])

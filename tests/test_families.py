@@ -88,7 +88,7 @@ def test_what_gemma_does_not_implement_is_refused_by_name(tiny, tmp_path, name, 
 
 @pytest.mark.parametrize("missing,named", [("model.layers.1.pre_feedforward_layernorm.weight", "layers.1.norm2.weight"),
                                            ("model.layers.0.self_attn.k_norm.weight", "layers.0.attn.k_norm.weight")])
-def test_a_missing_gemma_norm_names_the_tensor(tiny, tmp_path, missing, named):
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, missing, named):
     from safetensors.torch import load_file, save_file
     from h2o_mini.weights.hf import load_hf
     folder = tmp_path / "g"
@@ -98,4 +98,5 @@ def test_a_missing_gemma_norm_names_the_tensor(tiny, tmp_path, missing, named):
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(UserError) as e:
         load_hf(folder)
-    assert f"the checkpoint lacks the tensor for {named} " in str(e.value)
+    assert f"the checkpoint lacks the tensor {missing} " in str(e.value)  # by its own name,
+    assert f"the model's {named})" in str(e.value)  # and the model's

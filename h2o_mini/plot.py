@@ -128,3 +128,27 @@ def save_bench_plot(rows: list[dict], out: Path, title: str) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     save(plt, fig, out)
+
+
+def save_generation_plot(rows: list[dict], out: Path, title: str) -> None:
+    """eval generate: tokens before the first divergence from full, and the reference's NLL under the policy,
+    against budget; one line per policy, full as a dashed line."""
+    from .policies import parse_budget
+    plt, fig, (agree, nll) = figure(2, (5.2, 4.2))
+    counts = any(isinstance(parse_budget(r["budget"]), int) for r in rows if r["budget"])
+    for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+        mine = sorted((float(r["budget"]), r) for r in rows if r["policy"] == policy and r["budget"])
+        for ax, key in ((agree, "agree_tokens"), (nll, "nll")):
+            if not mine:
+                ax.axhline(next(r[key] for r in rows if r["policy"] == policy), color="black", linestyle="--",
+                           label=policy)
+            else:
+                ax.plot([b for b, _ in mine], [r[key] for _, r in mine], marker="osD^vP*Xh<>p"[i % 12], label=policy)
+    for ax, label in ((agree, "tokens equal to full's before the first difference"), (nll, "NLL of full's text (nats)")):
+        ax.set_xscale("log")
+        plain_log_axis(ax.xaxis, sorted({float(r["budget"]) for r in rows if r["budget"]}))
+        ax.set_xlabel("budget (tokens kept)" if counts else "budget (fraction of prompt + new tokens)")
+        ax.set_ylabel(label)
+    nll.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(title, fontsize=10)
+    save(plt, fig, out)

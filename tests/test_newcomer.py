@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from h2o_mini import UserError, errors
-from h2o_mini.cli_options import RECENT_HELP
+from h2o_mini.cli.options import RECENT_HELP
 from h2o_mini.files import read_text
 from h2o_mini.policies import REGISTRY, Policy, make_policy
 from h2o_mini.weights import prepared

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import click
 
-from . import api
-from .cli_eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
-from .cli_options import IMAGE, model_options
-from .evals.sweep import check_budget_kinds, points, run_sweep, save_sweep_plot, table
-from .files import check_output, read_text
-from .policies import LOOKAHEAD, REGISTRY, recent_if_taken
+from .. import api
+from .eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
+from .options import IMAGE, model_options
+from ..evals.sweep import check_budget_kinds, points, run_sweep, save_sweep_plot, table
+from ..files import check_output, read_text
+from ..policies import LOOKAHEAD, REGISTRY, recent_if_taken
 
 
 def sweep_options(f):
@@ -72,7 +72,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
     """eval ppl (with --compare-full always on; full's pass is made once) at every point; by default every
     registered policy and the hindsight reference. The table gives each point's share of h2o's gap to full
     and of hindsight's gain over local at the same budget, where those points are in the sweep."""
-    from .evals.ppl import full_logprobs
+    from ..evals.ppl import full_logprobs
     check_plot(plot_path, budgets)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
@@ -98,7 +98,7 @@ Example:
 def sweep_needle(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, text_path,
                  lengths, depths, seeds, prefill, chat):
     """eval needle at every point; a point's score is the share of its cells where the needle was found."""
-    from .evals.needle import run_needle
+    from ..evals.needle import run_needle
     check_plot(plot_path, budgets)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import click
 
-from . import api, parallel
-from .bench import DEFAULT_TEXT, run_bench, table_header, table_row
-from .cli_options import COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
-from .errors import note
-from .files import check_output, read_text
-from .plot import save_bench_plot
-from .policies import BUDGET_HELP
+from .. import api, parallel
+from ..bench import DEFAULT_TEXT, run_bench, table_header, table_row
+from .options import COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
+from ..errors import note
+from ..files import check_output, read_text
+from ..plot import save_bench_plot
+from ..policies import BUDGET_HELP
 
 
 @click.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b

@@ -12,22 +12,23 @@ from pathlib import Path
 
 import click
 
-from . import api, parallel
-from .errors import UserError, out_of_memory
-from .files import check_output, read_text
-from .generate import Sampling
-from .plot import kept_matrix, save_kept_plot
-from .bench import DEFAULT_TEXT
-from .cli_bench import bench
-from .cli_check import check_policy
-from .cli_explore import explore
-from .cli_eval import eval_
-from .cli_sweep import sweep
-from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
+from .. import api, parallel
+from ..errors import UserError, out_of_memory
+from ..files import check_output, read_text
+from ..generate import Sampling
+from ..plot import kept_matrix, save_kept_plot
+from ..bench import DEFAULT_TEXT
+from .bench import bench
+from .check import check_policy
+from .explore import explore
+from .eval import eval_
+from .eval_generate import eval_generate
+from .sweep import sweep
+from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
                           model_options, policy_options)
-from .policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
-from .policies.plugins import PluginError, installed
-from .weights.prepared import MODELS
+from ..policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
+from ..policies.plugins import PluginError, installed
+from ..weights.prepared import MODELS
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
@@ -177,6 +178,7 @@ cli.add_command(check_policy)
 cli.add_command(explore)
 cli.add_command(eval_)
 eval_.add_command(sweep)
+eval_.add_command(eval_generate)
 
 
 @plot.command(short_help="The heavy-hitter power law: accumulated attention per token.", epilog="""\b
@@ -192,7 +194,7 @@ Example:
 def attention(model, dtype, device, text_path, tokens, layers, out, as_json):
     """For each layer, the attention every token receives in a full causal pass (summed over all queries
     and query heads), sorted, on log-log axes; the legend gives the share held by the top 20%."""
-    from .evals.attention import accumulated_attention, save_attention_plot, top_share
+    from ..evals.attention import accumulated_attention, save_attention_plot, top_share
     check_output(out, IMAGE)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)

@@ -7,12 +7,12 @@ import click
 import torch
 from tqdm import tqdm
 
-from . import api
-from .bench import DEFAULT_TEXT
-from .cli_options import COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
-from .errors import UserError, note
-from .files import check_output, read_text, write_atomic
-from .policies import BUDGET_HELP, budget_if_taken, recent_if_taken
+from .. import api
+from ..bench import DEFAULT_TEXT
+from .options import COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
+from ..errors import UserError, note
+from ..files import check_output, read_text, write_atomic
+from ..policies import BUDGET_HELP, budget_if_taken, recent_if_taken
 
 
 @click.command(short_help="One HTML page of what each policy keeps, step by step, on real text.", epilog="""\b
@@ -42,8 +42,8 @@ def explore(prompt, model, dtype, device, policies, budget, recent, text_path, t
     """Read a text through the real cache under each policy and write one self-contained HTML page (no
     network; opens from file://): the text as its tokens, a step slider, layer and KV-head pickers, two
     policies side by side with their differences marked, and the numbers of the run (C, KV bytes, NLL)."""
-    from .explore import page_data, render
-    from .record import record
+    from ..explore import page_data, render
+    from ..record import record
     check_output(out, (".html", ".htm"))
     if prompt is not None and text_path is not None:
         raise UserError("give a PROMPT or --text, not both")

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import click
 
-from . import api, parallel
-from .bench import DEFAULT_TEXT
-from .cli_options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
+from .. import api, parallel
+from ..bench import DEFAULT_TEXT
+from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
                           model_options)
-from .errors import UserError
-from .files import check_output, read_text, write_atomic
-from .policies import BUDGET_HELP, recent_if_taken, resolve
+from ..errors import UserError
+from ..files import check_output, read_text, write_atomic
+from ..policies import BUDGET_HELP, recent_if_taken, resolve
 
 
 def repeatable_policies(f, one: str | None = None):
@@ -124,7 +124,7 @@ def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tok
 
 def _harness():
     try:
-        from .evals import harness
+        from ..evals import harness
     except ImportError:
         raise UserError("eval tasks needs lm-evaluation-harness: pip install 'h2o-mini[eval]'") from None
     return harness
@@ -193,8 +193,8 @@ Examples:
 def needle(model, dtype, device, policies, budgets, recent, kv_bits, text_path, lengths, depths, seeds, prefill,
            chat, plot_path, as_json):
     """Plant a random number at a depth of real text, ask for it last, and check the greedy answer."""
-    from .evals.needle import run_needle
-    from .evals.sweep import points
+    from ..evals.needle import run_needle
+    from ..evals.sweep import points
     if plot_path:
         check_output(plot_path, IMAGE)
     pairs = points(policies or ("full",), budgets or ("0.2",), with_full=False)
@@ -224,7 +224,7 @@ def needle_table(cells: list[dict]) -> str:
 
 
 def save_needle_plot(cells: list[dict], out, title: str) -> None:
-    from .plot import save_heatmaps
+    from ..plot import save_heatmaps
     panels: dict[str, dict] = {}
     for c in cells:
         label = f"{c['policy']}{' ' + c['budget'] if c['budget'] else ''} ({c['prefill']})"

@@ -6,7 +6,7 @@ import math
 
 import click
 
-from .policies import BUDGET_HELP, parse_budget, resolve, takes_recent_names
+from ..policies import BUDGET_HELP, parse_budget, resolve, takes_recent_names
 
 COUNT = 2**31  # the largest count any option takes (tokens, steps)
 IMAGE = (".png", ".pdf", ".svg")

@@ -1,0 +1,80 @@
+"""`h2o-mini eval generate`: what each policy does to long generations (evals/generation.py). Parse, run the
+points through the sweep machinery (resumable --out), print a table, draw --plot."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .. import api
+from ..errors import UserError
+from ..evals.generation import BUILTIN, Prompts, evaluate
+from ..evals.sweep import check_budget_kinds, points, run_sweep
+from ..files import check_output, read_text
+from ..policies import recent_if_taken
+from .eval import repeatable_policies
+from .options import COUNT, IMAGE, model_options
+from .sweep import settings
+
+HEADER = f"{'policy':<14}{'budget':>8}{'nll':>9}{'kl_full':>9}{'agree':>8}{'agree %':>9}{'KV MiB':>9}"
+
+
+def row_line(row: dict) -> str:
+    return (f"{row['policy']:<14}{row['budget'] or 'all':>8}{row['nll']:>9.4f}{row['kl_full']:>9.4f}"
+            f"{row['agree_tokens']:>8.1f}{100 * row['agree_share']:>8.1f}%{row['kv_bytes'] / 2**20:>9.2f}")
+
+
+@click.command(name="generate", short_help="What each policy does to long generations.", epilog="""\b
+Examples:
+  h2o-mini eval generate --max-new-tokens 64 --policy h2o --policy local --budget 64
+  h2o-mini eval generate --prompts-file prompts.txt --max-new-tokens 128 --policy h2o --budget 0.2 --json
+  h2o-mini eval generate --max-new-tokens 64 --policy h2o --policy tova --budget 32 --budget 64 \\
+      --out gen.jsonl --plot gen.png
+""")
+@model_options
+@repeatable_policies
+@click.option("--prompts-file", default=None, help="one prompt a line (default: the built-in long-output set)")
+@click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(1, COUNT),
+              help="N: the reference's length, and the policy's")
+@click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
+@click.option("--chat/--no-chat", default=None, help="the chat template (default: when the model has one)")
+@click.option("--out", default=None, help="a .jsonl file: each finished point is appended; a rerun skips it")
+@click.option("--plot", "plot_path", default=None, help="divergence and NLL against budget (.png/.pdf/.svg)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON line per policy and budget")
+def eval_generate(model, dtype, device, policies, budgets, recent, kv_bits, prompts_file, max_new_tokens, prefill,
+                  chat, out, plot_path, as_json):
+    """The full cache writes N tokens greedily for each prompt (the reference); then, for every --policy and
+    --budget: the NLL of the reference read back through the policy's cache and the KL to full along it
+    (teacher-forced), how many of the policy's own greedy tokens equal the reference before the first
+    difference and in all (free-running), and the cache's bytes. A fractional --budget is taken of each
+    prompt + N. `full` is always one point."""
+    if plot_path:
+        check_output(plot_path, IMAGE)
+        check_budget_kinds(budgets)
+    if prompts_file:
+        texts = [line for line in read_text(prompts_file, "prompts file").splitlines() if line.strip()]
+        if not texts:
+            raise UserError(f"prompts file {prompts_file} has no prompts")
+        prompts = Prompts(Path(prompts_file).name, texts)
+    else:
+        prompts = Prompts("builtin", list(BUILTIN))
+    lm = api.load(model, dtype, device)
+    refs: dict = {}  # the references, made at the first point and reused by the others
+    setup = settings(lm, dtype, kv_bits, recent, "\n".join(prompts.texts), new_tokens=max_new_tokens,
+                     prefill=prefill, chat=chat)
+    results = {}
+    todo = points(policies or ("h2o",), budgets or ("0.2",))
+    for point, rows in run_sweep("generate", todo, lambda p, b: [evaluate(
+            lm, prompts, max_new_tokens, p, b, recent_if_taken(p, recent), prefill, chat, kv_bits, refs)],
+            Path(out) if out else None, setup, progress=not as_json):
+        results[point] = rows[0]
+        if as_json:
+            click.echo(json.dumps(dict(rows[0], budget=point[1])))
+    if not as_json:
+        click.echo(HEADER)
+        click.echo("\n".join(row_line(r) for r in results.values()))
+    if plot_path:
+        from ..plot import save_generation_plot
+        save_generation_plot(list(results.values()), Path(plot_path),
+                             f"{lm.folder.name}: {prompts.name} prompts, {max_new_tokens} new tokens")

@@ -1,0 +1,152 @@
+"""What eviction does to the text a model writes (`h2o-mini eval generate`).
+
+Perplexity, tasks and the needle measure how a policy reads a given text. A long answer is different: the cache
+grows while the model writes, every token evicted is gone for the rest of the answer, and each written token is
+read back by the next ones. Following the decode-time evaluations of the field (kvpress's decoding presses on
+long reasoning outputs, 2025-26; R-KV, Cai et al., 2025, arXiv 2505.24133), for each prompt:
+
+1. the **reference**: N new tokens, greedily, with the full cache (past an end token too, so every prompt has N);
+2. **teacher-forced fidelity**: the prompt, then the reference read back token by token through the policy's
+   cache (the prompt in the `--prefill` mode, then the decode-time rule for every reference token); the mean NLL
+   of the reference tokens and the mean KL(full || policy) of the next-token distributions along it;
+3. **free-running divergence**: the policy's own greedy N tokens: how many equal the reference before the first
+   difference (`agree_tokens`), and the share of positions where they are equal (`agree_share`);
+4. **cost**: the bytes of the cache (C slots per layer, row and KV head, allocated up front, so the end is the
+   peak), beside full's.
+
+A budget fraction is taken of prompt + N (each prompt's own length; a token count is the same for all).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..api import LM, encode_prompts
+from ..errors import UserError
+from ..generate import Decoder, left_pad
+from ..policies import Policy, make_policy, parse_budget
+
+# Instructions that ask for long answers, written for this project; a base model gets each as plain text.
+BUILTIN = (
+    "Write a long story, in many paragraphs, about a lighthouse keeper who finds a message in a bottle.",
+    "List fifty different animals, one per line, each with a sentence about where it lives.",
+    "Count from one to two hundred in words, separated by commas.",
+    "Explain, section by section and in detail, what a software licence such as the GNU GPL allows and requires.",
+)
+
+
+@dataclass
+class Prompts:
+    name: str  # "builtin" or the file's name: what a row records
+    texts: list[str]
+
+
+def prompt_ids(lm: LM, prompts: Prompts, chat: bool | None) -> list[list[int]]:
+    return encode_prompts(lm, prompts.texts, chat)
+
+
+def check_room(lm: LM, ids: list[list[int]], new_tokens: int) -> None:
+    """N must fit the model's positions after the longest prompt: a long-generation measure is never cut short."""
+    longest, limit = max(len(i) for i in ids), lm.model.cfg.max_seq_len
+    if longest + new_tokens > limit:
+        raise UserError(f"--max-new-tokens {new_tokens} after a prompt of {longest} tokens needs {longest + new_tokens} "
+                        f"positions; the model has {limit}")
+
+
+def policy_for(spec, budget, length: int, recent) -> Policy:
+    """The policy for one prompt of `length` tokens (prompt + N); a fraction that rounds to no token is refused."""
+    if budget is not None:
+        share = parse_budget(budget)
+        if isinstance(share, float) and share * length < 0.5:
+            raise UserError(f"--budget {budget} of {length} tokens (prompt + --max-new-tokens) rounds to no token")
+    return make_policy(spec, budget, length, recent, quiet=True)
+
+
+@torch.inference_mode()
+def reference(decoder: Decoder, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
+    """(B, N): the full cache's greedy continuation of every prompt (a batch: full's rows never interact)."""
+    full = make_policy("full", None, 1)
+    return torch.stack(list(decoder.generate(ids, full, new_tokens, prefill)), 1)
+
+
+@torch.inference_mode()
+def teacher_forced(decoder: Decoder, policy: Policy, ids: list[int], ref: torch.Tensor, prefill: str,
+                   chunk: int = 64):
+    """Yields (start, logits (1, k, V)) of the reference tokens ref[start:start+k] read under `policy`, after the
+    prompt: the prompt in `prefill` mode, then the reference in stream mode (the decode step's rule, a chunk at a
+    time: equal by the cache's parity tests)."""
+    device = ref.device
+    idx, pos = left_pad([ids], device=device)
+    N = ref.shape[0]
+    cache = decoder.new_cache(policy, 1, idx.shape[1] + N)
+    first = decoder.prefill(cache, idx, pos, prefill)  # (1, V): predicts ref[0]
+    yield 0, first[:, None]
+    start = pos[:, -1:] + 1
+    for s in range(0, N - 1, chunk):
+        e = min(N - 1, s + chunk)
+        tokens = ref[None, s:e]
+        logits = decoder.model(tokens, start + torch.arange(s, e, device=device)[None], cache, mode="stream")
+        yield s + 1, logits  # the logits after ref[s..e-1] predict ref[s+1..e]
+
+
+def fidelity(decoder: Decoder, full: Policy, policy: Policy, ids: list[int], ref: torch.Tensor, prefill: str):
+    """Mean NLL of the reference under `policy` and mean KL(full || policy) along it (full read the same way)."""
+    nll = kl = 0.0
+    for (s, mine), (_, theirs) in zip(teacher_forced(decoder, policy, ids, ref, prefill),
+                                      teacher_forced(decoder, full, ids, ref, prefill)):
+        lp, lq = mine[0].log_softmax(-1), theirs[0].log_softmax(-1)  # (k, V)
+        target = ref[s:s + lp.shape[0]]
+        nll -= lp.gather(1, target[:, None]).double().sum().item()
+        kl += (lq.exp() * (lq - lp)).sum().double().item()
+    return nll / ref.shape[0], kl / ref.shape[0]
+
+
+@torch.inference_mode()
+def free_running(decoder: Decoder, policy: Policy, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
+    """(B, N): the policy's own greedy continuation of every prompt (rows of one batch share one policy)."""
+    return torch.stack(list(decoder.generate(ids, policy, new_tokens, prefill)), 1)
+
+
+def divergence(mine: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
+    """Tokens equal to the reference before the first difference, and the share of equal positions."""
+    same = (mine == ref).tolist()
+    first = same.index(False) if False in same else len(same)
+    return first, sum(same) / len(same)
+
+
+def evaluate(lm: LM, prompts: Prompts, new_tokens: int, spec: str, budget, recent=None, prefill: str = "dense",
+             chat: bool | None = None, kv_bits: int | None = None, refs: dict | None = None) -> dict:
+    """One JSON row: `spec` at `budget` over every prompt (per-prompt numbers in `prompts`, means at the top).
+    refs: the references already made for these prompts (filled on first use), so a sweep makes them once."""
+    ids = prompt_ids(lm, prompts, chat)
+    check_room(lm, ids, new_tokens)
+    decoder = Decoder(lm.model, kv_bits=kv_bits)
+    plain = Decoder(lm.model)  # the reference is the full cache as the model computes it
+    if refs is not None and "tokens" in refs:
+        ref = refs["tokens"]
+    else:
+        ref = reference(plain, ids, new_tokens, prefill)
+        if refs is not None:
+            refs["tokens"] = ref
+    full = make_policy("full", None, 1)
+    # Rows of one batch share C; a fraction is each prompt's own, so rows with equal C run together.
+    policies = [policy_for(spec, budget, len(i) + new_tokens, recent) for i in ids]
+    mine = torch.empty_like(ref)
+    for policy in dict.fromkeys(policies):
+        rows = [r for r, p in enumerate(policies) if p == policy]
+        mine[rows] = free_running(decoder, policy, [ids[r] for r in rows], new_tokens, prefill)
+    per_prompt = []
+    for r, (row_ids, policy) in enumerate(zip(ids, policies)):
+        nll, kl = fidelity(decoder, full, policy, row_ids, ref[r], prefill)
+        agree, share = divergence(mine[r], ref[r])
+        per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or 10**9,
+                                                                          len(row_ids) + new_tokens),
+                           "nll": nll, "kl_full": kl, "agree_tokens": agree, "agree_share": share,
+                           "kv_bytes": decoder.cache_bytes(policy, 1, len(row_ids) + new_tokens),
+                           "kv_bytes_full": plain.cache_bytes(full, 1, len(row_ids) + new_tokens)})
+    mean = {k: sum(p[k] for p in per_prompt) / len(per_prompt) for k in
+            ("nll", "kl_full", "agree_tokens", "agree_share", "kv_bytes", "kv_bytes_full")}
+    return {"policy": policies[0].name, "params": policies[0].params(), "budget": budget, "prompt_set": prompts.name,
+            "prompts": len(ids), "new_tokens": new_tokens, "prefill": prefill, "kv_bits": decoder.stored_bits,
+            **mean, "ppl": float(torch.tensor(mean["nll"]).exp()), "per_prompt": per_prompt}

@@ -1,0 +1,89 @@
+"""eval generate (evals/generation.py): the reference, teacher-forced fidelity, free-running divergence and cost,
+on a tiny seeded LLaMA with a byte tokenizer; checked against plain forward passes, full, a cache that never
+evicts, and one prompt at a time."""
+import json
+
+import pytest
+import torch
+
+from h2o_mini import api
+from h2o_mini.evals.generation import Prompts, evaluate
+
+from .test_bad_input import one_line_error, run_cli
+
+N = 20
+PROMPTS = Prompts("test", ["The licence says that you may", "Free software is a matter of", "Copy"])
+
+
+@pytest.fixture(scope="module")
+def folder(byte_folder):
+    return byte_folder("llama_gqa_tied")
+
+
+@pytest.fixture(scope="module")
+def lm(folder):
+    return api.load(folder)
+
+
+def test_full_has_no_divergence_and_the_references_own_nll(lm):
+    refs = {}
+    row = evaluate(lm, PROMPTS, N, "full", None, chat=False, refs=refs)
+    assert row["agree_tokens"] == N and row["agree_share"] == 1.0 and row["kl_full"] == 0.0
+    for p, text in zip(row["per_prompt"], PROMPTS.texts):  # the reference's NLL, from one plain causal pass
+        ids = lm.tokenizer.encode(text)
+        ref = refs["tokens"][PROMPTS.texts.index(text)].tolist()
+        x = torch.tensor([ids + ref])
+        lp = lm.model(x, torch.arange(x.shape[1])[None])[0, len(ids) - 1:-1].log_softmax(-1)
+        want = -lp.gather(1, torch.tensor(ref)[:, None]).mean().item()
+        assert abs(p["nll"] - want) <= 1e-5
+        # and the reference is the greedy continuation of that pass
+        assert lp.argmax(-1).tolist() == ref
+
+
+def test_a_cache_that_never_evicts_equals_full_and_one_that_does_diverges(lm):
+    full = evaluate(lm, PROMPTS, N, "full", None, chat=False)
+    roomy = evaluate(lm, PROMPTS, N, "local", "64", chat=False)  # 64 > prompt + N for every prompt
+    assert [p["nll"] for p in roomy["per_prompt"]] == [p["nll"] for p in full["per_prompt"]]
+    assert roomy["agree_tokens"] == N and roomy["kl_full"] == 0.0
+    tight = evaluate(lm, PROMPTS, N, "local", "4", chat=False)
+    assert tight["kl_full"] > 1e-3 and tight["nll"] != full["nll"]
+    assert tight["kv_bytes"] < tight["kv_bytes_full"] == full["kv_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv"])
+def test_a_batch_of_prompts_gives_each_prompts_own_numbers(lm, policy):
+    together = evaluate(lm, PROMPTS, N, policy, "8", chat=False)["per_prompt"]
+    for text, mine in zip(PROMPTS.texts, together):
+        alone = evaluate(lm, Prompts("one", [text]), N, policy, "8", chat=False)["per_prompt"][0]
+        assert alone["agree_tokens"] == mine["agree_tokens"] and alone["agree_share"] == mine["agree_share"]
+        assert abs(alone["nll"] - mine["nll"]) <= 1e-5 and abs(alone["kl_full"] - mine["kl_full"]) <= 1e-5
+
+
+def test_cli_json_table_resume_and_plot(folder, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The licence says that you may\n\nCopy\n")
+    out, plot = tmp_path / "g.jsonl", tmp_path / "g.png"
+    args = ["eval", "generate", "--model", folder, "--prompts-file", prompts, "--max-new-tokens", 12,
+            "--policy", "h2o", "--budget", 8, "--budget", 16, "--out", out]
+    code, stdout, err = run_cli(capsys, monkeypatch, *args, "--plot", plot)
+    assert code == 0, err
+    assert stdout.splitlines()[0].split()[:3] == ["policy", "budget", "nll"] and len(stdout.splitlines()) == 4
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("h2o", "8"), ("h2o", "16")]
+    assert all(r["prompts"] == 2 and r["new_tokens"] == 12 and r["prompt_set"] == "p.txt" for r in rows)
+    assert plot.stat().st_size > 0
+    code, again, err = run_cli(capsys, monkeypatch, *args, "--json")  # every point already in --out: none rerun
+    assert code == 0 and [json.loads(line)["nll"] for line in again.splitlines()] == [r["nll"] for r in rows]
+
+
+def test_bad_input_is_one_line(folder, tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    base = ["eval", "generate", "--model", folder, "--no-chat"]
+    one_line_error(run_cli(capsys, monkeypatch, *base, "--prompts-file", empty), "has no prompts")
+    one_line_error(run_cli(capsys, monkeypatch, *base, "--max-new-tokens", 600), "positions")
+    one_line_error(run_cli(capsys, monkeypatch, *base, "--max-new-tokens", 8, "--policy", "h2o", "--budget", "0.001"),
+                   "rounds to no token")
+    one_line_error(run_cli(capsys, monkeypatch, *base, "--max-new-tokens", 8, "--policy", "hindsight", "--budget",
+                           16), "reads the text ahead")

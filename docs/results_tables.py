@@ -90,8 +90,9 @@ def models():
         boards = {m: rows(f"models_{m}_{text}.jsonl") for m in MODELS}
         if not any(boards.values()):
             continue
-        if not boards["default"]:  # SmolLM2 on this text at 4096 tokens so far: section 1's four policies
-            boards["default"] = [r for r in rows(f"ablation_{text}.jsonl") if r["budget"] in (None, "0.1", "0.2")]
+        have = {(r["policy"], r["budget"]) for r in boards["default"]}  # else section 1's rows at 4096 tokens
+        boards["default"] += [r for r in rows(f"ablation_{text}.jsonl") if r["budget"] in (None, "0.1", "0.2")
+                              and (r["policy"], r["budget"]) not in have]
         budgets = sorted({r["budget"] for b in boards.values() for r in b if r["budget"]}, key=float)
         print(f"\n### {text}, 4096 tokens: ppl / top-1 agreement with full / KV MiB\n")
         print("| policy | " + " | ".join(f"{MODELS[m]} {b or 'all'}" for m in MODELS for b in budgets) + " |")

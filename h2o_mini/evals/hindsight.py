@@ -14,7 +14,7 @@ made before the evaluated pass runs:
    cache of C slots, so the logits are those of a cache that evicts as chosen (tests/test_hindsight.py runs the
    same choices through the real cache). Held at once: the leave tables (L x H x T int64: 2.9 MiB at 4096
    tokens of the default model), one block of probabilities (<= 16 MiB) and, in the evaluated pass, every key
-   and value (as `full` holds them: 184 MiB at 4096 tokens of the default model); never a T x T table (6 GiB
+   and value (as `full` holds them: 180 MiB at 4096 tokens of the default model); never a T x T table (5.6 GiB
    there in fp32).
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@
     python docs/results_tables.py docs/results leaderboard  # docs/run_leaderboard.sh
     python docs/results_tables.py docs/results workbench    # docs/run_workbench.sh
     python docs/results_tables.py docs/results models       # docs/run_two_models.sh
+    python docs/results_tables.py docs/results hindsight    # docs/run_hindsight.sh
 """
 import json
 import sys
@@ -126,6 +127,39 @@ def models():
                   f"{(r['peak_mem_bytes'] or 0) / 2**20:.0f} |")
 
 
+def hindsight():
+    """Every policy of sections 5 and 8 against h2o, full and hindsight at the same budget, and Gemma 3 270M's
+    runs (docs/run_hindsight.sh)."""
+    from h2o_mini.evals.sweep import share
+    boards = [(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"), (f"leaderboard_{text}.jsonl", f"workbench_{text}.jsonl",
+                                                               f"hindsight_{text}.jsonl")) for text in ("GPL-3", "GFDL-1.3")]
+    boards.append(("Gemma 3 270M, GPL-3, 2048 tokens", ("0.1", "0.2"), ("hindsight_gemma3-270m_GPL-3.jsonl",)))
+    for title, budgets, files in boards:
+        points = {}
+        for name in files:
+            # by spec (a2sf:gamma=0.9 is not a2sf); later files rerun the same rows
+            points.update({(r.get("spec") or r["policy"], r["budget"]): r["ppl"] for r in rows(name)})
+        if ("hindsight", "0.1") not in points:
+            continue
+        full = points[("full", None)]
+        print(f"\n### {title} (full: ppl {full:.2f})\n")
+        print("| policy | " + " | ".join(f"{b}: ppl | of h2o's gap to full | of h2o's gap to hindsight" for b in budgets)
+              + " |")
+        print("|---|" + "---|---|---|" * len(budgets))
+        for policy in dict.fromkeys(p for p, b in points if p != "full"):
+            cells = []
+            for b in budgets:
+                ppl, h2o = points.get((policy, b)), points.get(("h2o", b))
+                if ppl is None:
+                    cells += ["", "", ""]
+                    continue
+                cells += [f"{ppl:.2f}"] + [f"{v:+.0%}" if v is not None else "" for v in (
+                    share(ppl, h2o, full), share(ppl, h2o, points.get(("hindsight", b))))]
+            print(f"| {policy} | " + " | ".join(cells) + " |")
+
+
+if "hindsight" in sys.argv:
+    hindsight()
 if "models" in sys.argv:
     models()
     sys.exit()

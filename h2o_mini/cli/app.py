@@ -18,6 +18,9 @@ from ..files import check_output, read_text
 from ..generate import Sampling
 from ..plot import kept_matrix, save_kept_plot
 from ..bench import DEFAULT_TEXT
+from ..policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
+from ..policies.plugins import PluginError, installed
+from ..weights.prepared import MODELS
 from .bench import bench
 from .check import check_policy
 from .explore import explore
@@ -25,10 +28,7 @@ from .eval import eval_
 from .eval_generate import eval_generate
 from .sweep import sweep
 from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
-                          model_options, policy_options)
-from ..policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
-from ..policies.plugins import PluginError, installed
-from ..weights.prepared import MODELS
+                      model_options, policy_options)
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 

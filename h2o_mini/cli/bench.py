@@ -9,11 +9,11 @@ import click
 
 from .. import api, parallel
 from ..bench import DEFAULT_TEXT, run_bench, table_header, table_row
-from .options import COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
 from ..errors import note
 from ..files import check_output, read_text
 from ..plot import save_bench_plot
 from ..policies import BUDGET_HELP
+from .options import COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
 
 
 @click.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b

@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from .options import Budget, PolicyType, RECENT_HELP
 from ..errors import UserError
 from ..policies import budget_if_taken, make_policy
+from .options import Budget, PolicyType, RECENT_HELP
 
 
 @click.command(name="check-policy", short_help="Prove a policy exact on every code path (built-in or yours).",

@@ -9,11 +9,11 @@ import click
 
 from .. import api, parallel
 from ..bench import DEFAULT_TEXT
-from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
-                          model_options)
 from ..errors import UserError
 from ..files import check_output, read_text, write_atomic
 from ..policies import BUDGET_HELP, recent_if_taken, resolve
+from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
+                      model_options)
 
 
 def repeatable_policies(f, one: str | None = None):
@@ -87,7 +87,8 @@ def needle_options(f):
 @click.group(name="eval", short_help="Measure what a policy costs in quality.")
 @click.pass_context
 def eval_(ctx):
-    """Measure what a policy costs in quality: perplexity, lm-eval tasks, needle in a haystack, sweeps."""
+    """Measure what a policy costs in quality: perplexity, lm-eval tasks, needle in a haystack, long generations,
+    sweeps."""
     if ctx.invoked_subcommand and ctx.invoked_subcommand != "ppl":
         parallel.refuse(f"eval {ctx.invoked_subcommand}")
 
@@ -96,6 +97,7 @@ def eval_(ctx):
 Examples:
   h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024
   h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy h2o --budget 0.2 --compare-full --json
+  h2o-mini eval ppl --text /usr/share/common-licenses/GPL-3 --tokens 1024 --policy hindsight --budget 0.1 --json
 """)
 @model_options
 @one_policy("ppl")
@@ -104,7 +106,8 @@ Examples:
 def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tokens, compare_full, chunk, compile,
         as_json):
     """Mean next-token NLL (nats) and perplexity of a text (a file, or - for standard input), every token scored
-    in stream mode, under one policy (several: 'eval sweep ppl'). A fractional --budget is taken of --tokens."""
+    in stream mode, under one policy (several: 'eval sweep ppl'). A fractional --budget is taken of --tokens.
+    --policy hindsight is the reference that reads the text ahead: what a better choice of as many tokens gives."""
     policy, budget = _one(policies, "--policy", "ppl") or "full", _one(budgets, "--budget", "ppl")
     text = read_text(text_path)
     lm = api.load(model, dtype, device, parallel.from_env(device))

@@ -9,10 +9,10 @@ from tqdm import tqdm
 
 from .. import api
 from ..bench import DEFAULT_TEXT
-from .options import COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
 from ..errors import UserError, note
 from ..files import check_output, read_text, write_atomic
 from ..policies import BUDGET_HELP, budget_if_taken, recent_if_taken
+from .options import COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
 
 
 @click.command(short_help="One HTML page of what each policy keeps, step by step, on real text.", epilog="""\b

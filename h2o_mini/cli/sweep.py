@@ -10,11 +10,11 @@ from pathlib import Path
 import click
 
 from .. import api
-from .eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
-from .options import IMAGE, model_options
 from ..evals.sweep import check_budget_kinds, points, run_sweep, save_sweep_plot, table
 from ..files import check_output, read_text
 from ..policies import LOOKAHEAD, REGISTRY, recent_if_taken
+from .eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
+from .options import IMAGE, model_options
 
 
 def sweep_options(f):

@@ -71,35 +71,34 @@ def reference(decoder: Decoder, ids: list[list[int]], new_tokens: int, prefill: 
 
 
 @torch.inference_mode()
-def teacher_forced(decoder: Decoder, policy: Policy, ids: list[int], ref: torch.Tensor, prefill: str,
+def teacher_forced(decoder: Decoder, policy: Policy, ids: list[list[int]], ref: torch.Tensor, prefill: str,
                    chunk: int = 64):
-    """Yields (start, logits (1, k, V)) of the reference tokens ref[start:start+k] read under `policy`, after the
-    prompt: the prompt in `prefill` mode, then the reference in stream mode (the decode step's rule, a chunk at a
-    time: equal by the cache's parity tests)."""
-    device = ref.device
-    idx, pos = left_pad([ids], device=device)
-    N = ref.shape[0]
-    cache = decoder.new_cache(policy, 1, idx.shape[1] + N)
-    first = decoder.prefill(cache, idx, pos, prefill)  # (1, V): predicts ref[0]
-    yield 0, first[:, None]
-    start = pos[:, -1:] + 1
+    """Yields (start, logits (B, k, V)) of the reference tokens ref[:, start:start+k] read under `policy`, after
+    the prompts (left-padded rows): the prompts in `prefill` mode, then the reference in stream mode (the decode
+    step's rule, a chunk at a time: equal by the cache's parity tests)."""
+    idx, pos = left_pad(ids, device=ref.device)
+    N = ref.shape[1]
+    cache = decoder.new_cache(policy, len(ids), idx.shape[1] + N)
+    yield 0, decoder.prefill(cache, idx, pos, prefill)[:, None]  # (B, 1, V): predicts ref[:, 0]
+    start = pos[:, -1:] + 1  # (B, 1): each row's next position
     for s in range(0, N - 1, chunk):
         e = min(N - 1, s + chunk)
-        tokens = ref[None, s:e]
-        logits = decoder.model(tokens, start + torch.arange(s, e, device=device)[None], cache, mode="stream")
-        yield s + 1, logits  # the logits after ref[s..e-1] predict ref[s+1..e]
+        positions = start + torch.arange(s, e, device=ref.device)[None]
+        yield s + 1, decoder.model(ref[:, s:e], positions, cache, mode="stream")  # predicts ref[:, s+1..e]
 
 
-def fidelity(decoder: Decoder, full: Policy, policy: Policy, ids: list[int], ref: torch.Tensor, prefill: str):
-    """Mean NLL of the reference under `policy` and mean KL(full || policy) along it (full read the same way)."""
-    nll = kl = 0.0
+def fidelity(decoder: Decoder, full: Policy, policy: Policy, ids: list[list[int]], ref: torch.Tensor, prefill: str):
+    """Per row: the mean NLL of the reference under `policy`, and the mean KL(full || policy) along it (full read
+    the same way, chunk by chunk beside it: no (B, N, V) tensor is held)."""
+    nll = torch.zeros(len(ids), dtype=torch.float64)
+    kl = torch.zeros(len(ids), dtype=torch.float64)
     for (s, mine), (_, theirs) in zip(teacher_forced(decoder, policy, ids, ref, prefill),
                                       teacher_forced(decoder, full, ids, ref, prefill)):
-        lp, lq = mine[0].log_softmax(-1), theirs[0].log_softmax(-1)  # (k, V)
-        target = ref[s:s + lp.shape[0]]
-        nll -= lp.gather(1, target[:, None]).double().sum().item()
-        kl += (lq.exp() * (lq - lp)).sum().double().item()
-    return nll / ref.shape[0], kl / ref.shape[0]
+        lp, lq = mine.log_softmax(-1), theirs.log_softmax(-1)  # (B, k, V)
+        target = ref[:, s:s + lp.shape[1]]
+        nll -= lp.gather(2, target[..., None])[..., 0].double().sum(1).cpu()
+        kl += (lq.exp() * (lq - lp)).sum((1, 2)).double().cpu()
+    return (nll / ref.shape[1]).tolist(), (kl / ref.shape[1]).tolist()
 
 
 @torch.inference_mode()
@@ -133,18 +132,20 @@ def evaluate(lm: LM, prompts: Prompts, new_tokens: int, spec: str, budget, recen
     # Rows of one batch share C; a fraction is each prompt's own, so rows with equal C run together.
     policies = [policy_for(spec, budget, len(i) + new_tokens, recent) for i in ids]
     mine = torch.empty_like(ref)
+    nll, kl = [0.0] * len(ids), [0.0] * len(ids)
     for policy in dict.fromkeys(policies):
         rows = [r for r, p in enumerate(policies) if p == policy]
         mine[rows] = free_running(decoder, policy, [ids[r] for r in rows], new_tokens, prefill)
+        for r, n, k in zip(rows, *fidelity(decoder, full, policy, [ids[r] for r in rows], ref[rows], prefill)):
+            nll[r], kl[r] = n, k
     per_prompt = []
     for r, (row_ids, policy) in enumerate(zip(ids, policies)):
-        nll, kl = fidelity(decoder, full, policy, row_ids, ref[r], prefill)
         agree, share = divergence(mine[r], ref[r])
-        per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or 10**9,
-                                                                          len(row_ids) + new_tokens),
-                           "nll": nll, "kl_full": kl, "agree_tokens": agree, "agree_share": share,
-                           "kv_bytes": decoder.cache_bytes(policy, 1, len(row_ids) + new_tokens),
-                           "kv_bytes_full": plain.cache_bytes(full, 1, len(row_ids) + new_tokens)})
+        length = len(row_ids) + new_tokens
+        per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or length, length),
+                           "nll": nll[r], "kl_full": kl[r], "agree_tokens": agree, "agree_share": share,
+                           "kv_bytes": decoder.cache_bytes(policy, 1, length),
+                           "kv_bytes_full": plain.cache_bytes(full, 1, length)})
     mean = {k: sum(p[k] for p in per_prompt) / len(per_prompt) for k in
             ("nll", "kl_full", "agree_tokens", "agree_share", "kv_bytes", "kv_bytes_full")}
     return {"policy": policies[0].name, "params": policies[0].params(), "budget": budget, "prompt_set": prompts.name,

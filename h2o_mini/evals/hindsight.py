@@ -36,12 +36,12 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
     return ok if window is None else ok & (q_pos[:, None] - k_pos[None, :] < window)
 
 
-def _logits(layer, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q: (n_head, Q, hd), k: (H, K, hd) -> fp32 attention logits (H, g, Q, K), scaled and soft-capped."""
+def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
+    """q: (n_head, Q, hd), k: (H, K, hd) -> fp32 attention logits (H, g, Q, K), scaled and soft-capped (Gemma 2)."""
     H, g = k.shape[0], q.shape[0] // k.shape[0]
-    logits = (q.reshape(H, g * q.shape[1], -1) @ k.transpose(-1, -2)).float() * layer.scale
-    if layer.cap is not None:
-        logits = logits.div(layer.cap).tanh().mul(layer.cap)
+    logits = (q.reshape(H, g * q.shape[1], -1) @ k.transpose(-1, -2)).float() * scale
+    if cap is not None:
+        logits = logits.div(cap).tanh().mul(cap)
     return logits.view(H, g, q.shape[1], k.shape[1])
 
 
@@ -65,7 +65,7 @@ class _Chooser:
         block = max(1, BLOCK_VALUES // (q.shape[0] * T))
         j = torch.arange(T, device=k.device)
         for s in range(0, T, block):
-            logits = _logits(self, q[:, s:s + block], k)
+            logits = _logits(q[:, s:s + block], k, self.scale, self.cap)
             ok = _allowed(j[s:s + block], j, self.window)
             yield s, logits.masked_fill(~ok, -torch.inf).softmax(-1).sum(1)
 
@@ -113,7 +113,7 @@ class _Masked:
         self.n = e
         j = torch.arange(e, device=q.device)
         ok = _allowed(j[s:], j, self.window)[None] & (j[s:, None] < self.leave[:, None, :e])  # (H, Q, e)
-        logits = _logits(self, q[0], self.k[:, :e])  # (H, g, Q, e)
+        logits = _logits(q[0], self.k[:, :e], self.scale, self.cap)  # (H, g, Q, e)
         probs = logits.masked_fill(~ok[:, None], -torch.inf).softmax(-1)
         out = probs.to(v.dtype).flatten(1, 2) @ self.v[:, :e]  # (H, g * Q, hd)
         return out.view(1, q.shape[1], q.shape[2], -1)

@@ -9,6 +9,7 @@ take several rolling windows) and, marked slow, on the default model's converted
 """
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
 TASKS = str(Path(__file__).with_name("tasks"))
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the hf backend's run needs no hub either
 
 
 def close(got: float, want: float) -> bool:
@@ -68,16 +70,28 @@ def assert_same_answers(a: dict, b: dict, task: str, n: int):
 CASES = [("gpl_next_sentence", 2, 12), ("parity_rolling", 0, 8), ("parity_until", 0, 10)]
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chr(256 + n)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
 @pytest.fixture(scope="module")
-def tiny_folder(byte_folder, tmp_path_factory):
-    """The tiny LLaMA with its byte tokenizer, told its BOS and EOS (ids 1 and 2, as its config says) so that
-    both backends have a prefix for empty contexts and an end token."""
-    from tokenizers import pre_tokenizers
+def tiny_folder(tiny, tmp_path_factory):
+    """The tiny LLaMA (256 ids) with a byte-level tokenizer in which ids 1 and 2, the config's BOS and EOS, are
+    special tokens <s> and </s> (bytes 1 and 2 never occur in the tasks' text), as a real checkpoint has them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     folder = tmp_path_factory.mktemp("parity") / "tiny"
-    shutil.copytree(byte_folder("llama_gqa_tied"), folder)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    shutil.copytree(tiny("llama_gqa_tied")[0], folder)
+    vocab = {c: b for b, c in bytes_to_unicode().items() if b not in (1, 2)} | {"<s>": 1, "</s>": 2}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": alphabet[1], "eos_token": alphabet[2]}))
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
     return folder
 
 

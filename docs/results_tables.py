@@ -5,6 +5,7 @@
     python docs/results_tables.py docs/results workbench    # docs/run_workbench.sh
     python docs/results_tables.py docs/results models       # docs/run_two_models.sh
     python docs/results_tables.py docs/results hindsight    # docs/run_hindsight.sh
+    python docs/results_tables.py docs/results generate     # docs/run_generate.sh
 """
 import json
 import sys
@@ -158,6 +159,25 @@ def hindsight():
             print(f"| {policy} | " + " | ".join(cells) + " |")
 
 
+def generate():
+    """eval generate on both models (docs/run_generate.sh): fidelity, divergence and bytes per policy."""
+    for name, title in (("generate_default_512.jsonl", "SmolLM2-135M, N = 512"),
+                        ("generate_gemma3-270m_256.jsonl", "Gemma 3 270M, N = 256")):
+        board = rows(name)
+        if not board:
+            continue
+        print(f"\n### {title}, the built-in prompts (means over {board[0]['prompts']})\n")
+        print("| policy | budget | NLL of full's text | KL(full \\|\\| policy) | tokens before divergence | equal tokens "
+              "| KV MiB (full's) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in sorted(board, key=lambda r: (r["policy"] != "full", -r["agree_tokens"])):
+            print(f"| {r['policy']} | {r['budget'] or 'all'} | {r['nll']:.3f} | {r['kl_full']:.3f} | "
+                  f"{r['agree_tokens']:.1f} | {r['agree_share']:.1%} | {r['kv_bytes'] / 2**20:.1f} "
+                  f"({r['kv_bytes_full'] / 2**20:.1f}) |")
+
+
+if "generate" in sys.argv:
+    generate()
 if "hindsight" in sys.argv:
     hindsight()
 if "models" in sys.argv:

@@ -168,3 +168,9 @@ def add_byte_tokenizer(path: Path) -> Path:
 def byte_folder(tiny):
     """name -> a tiny checkpoint folder with a byte tokenizer (what the CLI tests run)."""
     return lambda name="llama_gqa_tied": add_byte_tokenizer(tiny(name)[0])
+
+
+@pytest.fixture(scope="session")
+def llama_bytes(byte_folder):
+    """The tiny LLaMA (GQA, tied embeddings) with the byte tokenizer: what most CLI and evaluation tests run."""
+    return byte_folder("llama_gqa_tied")

@@ -16,13 +16,13 @@ PROMPTS = Prompts("test", ["The licence says that you may", "Free software is a 
 
 
 @pytest.fixture(scope="module")
-def folder(byte_folder):
-    return byte_folder("llama_gqa_tied")
+def folder(llama_bytes):
+    return llama_bytes
 
 
 @pytest.fixture(scope="module")
-def lm(folder):
-    return api.load(folder)
+def lm(llama_bytes):
+    return api.load(llama_bytes)
 
 
 def test_full_has_no_divergence_and_the_references_own_nll(lm):

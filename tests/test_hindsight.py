@@ -137,8 +137,8 @@ def test_no_eviction_is_full_and_eviction_costs(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def folder(byte_folder):
-    return byte_folder("llama_gqa_tied")
+def folder(llama_bytes):
+    return llama_bytes
 
 
 def test_eval_ppl_runs_it_and_every_causal_command_refuses_it(folder, capsys, monkeypatch, tmp_path):

@@ -153,11 +153,20 @@ def tiny_model(tiny):
     return get
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chr(256 + n)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
 def add_byte_tokenizer(path: Path) -> Path:
-    """Give a tiny checkpoint a tokenizer.json that reads bytes (256 ids), so any text works."""
+    """Give a tiny checkpoint a tokenizer.json that reads bytes (256 ids), so any text works. Id = the byte's
+    value, in every process (tokenizers' own `ByteLevel.alphabet()` comes in a different order each time, which
+    gave the same text other ids, and the tests other numbers, from run to run)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab=dict(sorted(vocab.items(), key=lambda kv: kv[1])), merges=[]))
+    vocab = {c: b for b, c in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))

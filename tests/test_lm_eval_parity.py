@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import bytes_to_unicode
 from .test_bad_input import run_cli
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -68,13 +69,6 @@ def assert_same_answers(a: dict, b: dict, task: str, n: int):
 
 
 CASES = [("gpl_next_sentence", 2, 12), ("parity_rolling", 0, 8), ("parity_until", 0, 10)]
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for chr(256 + n)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
-    extra = iter(range(256, 512))
-    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
 
 
 @pytest.fixture(scope="module")

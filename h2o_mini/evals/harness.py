@@ -131,7 +131,10 @@ class PolicyLM(TemplateLM):
         end token or max_gen_toks, the text cut at the first of the stop strings (lm-eval adds the end token's
         text to them)."""
         out = []
-        eos = self.lm.tokenizer.decode([self.eot_token_id], skip_special=False)  # as text, a stop string
+        # the tokenizer's end token as text is a stop string too (the hf backend's rule); a tokenizer without one
+        # adds none (the hf backend has no end token to decode there, and a config's id may be any byte)
+        tok_eos = self.lm.tokenizer.token_id(self.lm.tokenizer.special.get("eos_token"))
+        eos = None if tok_eos is None else self.lm.tokenizer.decode([tok_eos], skip_special=False)
         bar = tqdm([r.args for r in requests], desc="generate", disable=disable_tqdm or self.quiet or None)
         for context, gen_kwargs in bar:
             kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), 256)

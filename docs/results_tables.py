@@ -132,8 +132,9 @@ def hindsight():
     """Every policy of sections 5 and 8 against h2o, full and hindsight at the same budget, and Gemma 3 270M's
     runs (docs/run_hindsight.sh)."""
     from h2o_mini.evals.sweep import share
-    boards = [(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"), (f"leaderboard_{text}.jsonl", f"workbench_{text}.jsonl",
-                                                               f"hindsight_{text}.jsonl")) for text in ("GPL-3", "GFDL-1.3")]
+    boards = [(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"),
+               (f"leaderboard_{text}.jsonl", f"workbench_{text}.jsonl", f"hindsight_{text}.jsonl"))
+              for text in ("GPL-3", "GFDL-1.3")]
     boards.append(("Gemma 3 270M, GPL-3, 2048 tokens", ("0.1", "0.2"), ("hindsight_gemma3-270m_GPL-3.jsonl",)))
     for title, budgets, files in boards:
         points = {}
@@ -144,8 +145,8 @@ def hindsight():
             continue
         full = points[("full", None)]
         print(f"\n### {title} (full: ppl {full:.2f})\n")
-        print("| policy | " + " | ".join(f"{b}: ppl | of h2o's gap to full | of h2o's gap to hindsight" for b in budgets)
-              + " |")
+        head = " | ".join(f"{b}: ppl | of h2o's gap to full | of h2o's gap to hindsight" for b in budgets)
+        print(f"| policy | {head} |")
         print("|---|" + "---|---|---|" * len(budgets))
         for policy in dict.fromkeys(p for p, b in points if p != "full"):
             cells = []

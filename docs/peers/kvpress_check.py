@@ -47,8 +47,9 @@ MATCH = {
 def tiny_qwen3(folder: Path) -> Path:
     """A small Qwen3 (per-head q/k norms, GQA 4:2, head_dim 32, 4 layers) with seeded weights, byte ids."""
     from transformers import AutoModelForCausalLM, Qwen3Config
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, use_sliding_window=False)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                      use_sliding_window=False)
     model = AutoModelForCausalLM.from_config(cfg)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -50,8 +50,8 @@ def check_room(lm: LM, ids: list[list[int]], new_tokens: int) -> None:
     """N must fit the model's positions after the longest prompt: a long-generation measure is never cut short."""
     longest, limit = max(len(i) for i in ids), lm.model.cfg.max_seq_len
     if longest + new_tokens > limit:
-        raise UserError(f"--max-new-tokens {new_tokens} after a prompt of {longest} tokens needs {longest + new_tokens} "
-                        f"positions; the model has {limit}")
+        raise UserError(f"--max-new-tokens {new_tokens} after a prompt of {longest} tokens needs "
+                        f"{longest + new_tokens} positions; the model has {limit}")
 
 
 def policy_for(spec, budget, length: int, recent) -> Policy:

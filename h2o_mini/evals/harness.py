@@ -55,9 +55,14 @@ class PolicyLM(TemplateLM):
 
     # -- what TemplateLM needs to tokenize as the hf backend does --
     @property
+    def tokenizer_eos(self) -> int | None:
+        """The tokenizer's own end token, the one the hf backend uses (None: it has none)."""
+        return self.lm.tokenizer.token_id(self.lm.tokenizer.special.get("eos_token"))
+
+    @property
     def eot_token_id(self) -> int:
-        """The tokenizer's end token (the hf backend's), else the config's first."""
-        eos = self.lm.tokenizer.token_id(self.lm.tokenizer.special.get("eos_token"))
+        """The tokenizer's end token, else the config's first."""
+        eos = self.tokenizer_eos
         return eos if eos is not None else (self.lm.eos_ids or (0,))[0]
 
     @property
@@ -133,8 +138,8 @@ class PolicyLM(TemplateLM):
         out = []
         # the tokenizer's end token as text is a stop string too (the hf backend's rule); a tokenizer without one
         # adds none (the hf backend has no end token to decode there, and a config's id may be any byte)
-        tok_eos = self.lm.tokenizer.token_id(self.lm.tokenizer.special.get("eos_token"))
-        eos = None if tok_eos is None else self.lm.tokenizer.decode([tok_eos], skip_special=False)
+        eos_id = self.tokenizer_eos
+        eos = None if eos_id is None else self.lm.tokenizer.decode([eos_id], skip_special=False)
         bar = tqdm([r.args for r in requests], desc="generate", disable=disable_tqdm or self.quiet or None)
         for context, gen_kwargs in bar:
             kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), 256)

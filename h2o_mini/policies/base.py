@@ -28,6 +28,9 @@ state lives in the cache) with these hooks; each has a default that is H2O's beh
   them if it is set (SnapKV's observation window), then `prompt_score` (SnapKV pools them); then the C
   prompt tokens with the highest keep-score at the last prompt position stay.
 
+A policy that reads the text ahead sets `lookahead` (`hindsight.py`): the cache refuses it (`check_causal`), and only
+the evaluation that has the whole text runs it (`evals/hindsight.py`).
+
 Parameters are the dataclass fields: int, float or bool, checked by their annotations when the policy is
 made (an int is >= 0 unless its range says otherwise; a float is finite); `param(default, lo=, hi=)`
 declares a range. `from_budget(capacity, recent)` maps `--budget`/`--recent` onto them (`takes_budget`:

@@ -41,6 +41,14 @@ def read_text(path: str | Path, what: str = "text file") -> str:
         raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a file, one a non-blank line; a file with none is a UserError."""
+    prompts = [line for line in read_text(path, "prompts file").splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"prompts file {path} has no prompts")
+    return prompts
+
+
 def umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)

@@ -14,7 +14,7 @@ import click
 
 from .. import api, parallel
 from ..errors import UserError, out_of_memory
-from ..files import check_output, read_text
+from ..files import check_output, read_prompts, read_text
 from ..generate import Sampling
 from ..plot import kept_matrix, save_kept_plot
 from ..bench import DEFAULT_TEXT
@@ -103,9 +103,7 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
     if prompts_file and prompt is not None:
         raise UserError("give a PROMPT or --prompts-file, not both")
     if prompts_file:
-        prompts = [line for line in read_text(prompts_file, "prompts file").splitlines() if line.strip()]
-        if not prompts:
-            raise UserError(f"prompts file {prompts_file} has no prompts")
+        prompts = read_prompts(prompts_file)
     elif prompt is not None:
         prompts = [prompt]
     else:

@@ -1,21 +1,19 @@
 """`h2o-mini eval generate`: what each policy does to long generations (evals/generation.py). Parse, run the
-points through the sweep machinery (resumable --out), print a table, draw --plot."""
+points through the sweep machinery (`cli/sweep.py`: resumable --out, --json, a table, --plot)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from .. import api
-from ..errors import UserError
 from ..evals.generation import BUILTIN, Prompts, evaluate
-from ..evals.sweep import check_budget_kinds, points, run_sweep
-from ..files import check_output, read_text
+from ..files import read_prompts
+from ..plot import save_generation_plot
 from ..policies import recent_if_taken
 from .eval import repeatable_policies
-from .options import COUNT, IMAGE, model_options
-from .sweep import settings
+from .options import COUNT, model_options
+from .sweep import _sweep, check_plot, settings
 
 HEADER = f"{'policy':<14}{'budget':>8}{'nll':>9}{'kl_full':>9}{'agree':>8}{'agree %':>9}{'KV MiB':>9}"
 
@@ -49,32 +47,17 @@ def eval_generate(model, dtype, device, policies, budgets, recent, kv_bits, prom
     (teacher-forced), how many of the policy's own greedy tokens equal the reference before the first
     difference and in all (free-running), and the cache's bytes. A fractional --budget is taken of each
     prompt + N. `full` is always one point."""
-    if plot_path:
-        check_output(plot_path, IMAGE)
-        check_budget_kinds(budgets)
+    check_plot(plot_path, budgets)
     if prompts_file:
-        texts = [line for line in read_text(prompts_file, "prompts file").splitlines() if line.strip()]
-        if not texts:
-            raise UserError(f"prompts file {prompts_file} has no prompts")
-        prompts = Prompts(Path(prompts_file).name, texts)
+        prompts = Prompts(Path(prompts_file).name, read_prompts(prompts_file))
     else:
         prompts = Prompts("builtin", list(BUILTIN))
     lm = api.load(model, dtype, device)
     refs: dict = {}  # the references, made at the first point and reused by the others
     setup = settings(lm, dtype, kv_bits, recent, "\n".join(prompts.texts), new_tokens=max_new_tokens,
                      prefill=prefill, chat=chat)
-    results = {}
-    todo = points(policies or ("h2o",), budgets or ("0.2",))
-    for point, rows in run_sweep("generate", todo, lambda p, b: [evaluate(
-            lm, prompts, max_new_tokens, p, b, recent_if_taken(p, recent), prefill, chat, kv_bits, refs)],
-            Path(out) if out else None, setup, progress=not as_json):
-        results[point] = rows[0]
-        if as_json:
-            click.echo(json.dumps(dict(rows[0], budget=point[1])))
-    if not as_json:
-        click.echo(HEADER)
-        click.echo("\n".join(row_line(r) for r in results.values()))
-    if plot_path:
-        from ..plot import save_generation_plot
-        save_generation_plot(list(results.values()), Path(plot_path),
-                             f"{lm.folder.name}: {prompts.name} prompts, {max_new_tokens} new tokens")
+    title = f"{lm.folder.name}: {prompts.name} prompts, {max_new_tokens} new tokens"
+    _sweep("generate", policies or ("h2o",), budgets or ("0.2",), out, plot_path, as_json, title, lambda p, b: [evaluate(
+        lm, prompts, max_new_tokens, p, b, recent_if_taken(p, recent), prefill, chat, kv_bits, refs)], setup,
+        show=lambda results: "\n".join([HEADER] + [row_line(rows[0]) for rows in results.values()]),
+        draw=lambda results, path, title: save_generation_plot([rows[0] for rows in results.values()], path, title))

@@ -34,7 +34,12 @@ def settings(lm, dtype: str, kv_bits, recent, text: str | None = None, **more) -
     return {**out, **more}
 
 
-def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, run_point, setup: dict) -> None:
+def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, run_point, setup: dict,
+           show=None, draw=None) -> None:
+    """Every point through `run_point` (resumable --out), each row printed with --json, then the table (`show`,
+    default the sweep's own) and the plot (`draw`)."""
+    show = show or (lambda results: table(kind, results))
+    draw = draw or (lambda results, path, title: save_sweep_plot(kind, results, path, title))
     results = {}
     for point, rows in run_sweep(kind, points(policies, budgets), run_point, Path(out) if out else None,
                                  setup, progress=not as_json):
@@ -43,9 +48,9 @@ def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, ru
             for row in rows:
                 click.echo(json.dumps(dict(row, budget=point[1])))
     if not as_json:
-        click.echo(table(kind, results))
+        click.echo(show(results))
     if plot_path:
-        save_sweep_plot(kind, results, Path(plot_path), title)
+        draw(results, Path(plot_path), title)
 
 
 def check_plot(plot_path, budgets) -> None:
@@ -71,7 +76,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
               compare_full, chunk, compile):
     """eval ppl (with --compare-full always on; full's pass is made once) at every point; by default every
     registered policy and the hindsight reference. The table gives each point's share of h2o's gap to full
-    and of hindsight's gain over local at the same budget, where those points are in the sweep."""
+    and of h2o's gap to hindsight at the same budget, where those points are in the sweep."""
     from ..evals.ppl import full_logprobs
     check_plot(plot_path, budgets)
     text = read_text(text_path)

@@ -42,10 +42,6 @@ class Prompts:
     texts: list[str]
 
 
-def prompt_ids(lm: LM, prompts: Prompts, chat: bool | None) -> list[list[int]]:
-    return encode_prompts(lm, prompts.texts, chat)
-
-
 def check_room(lm: LM, ids: list[list[int]], new_tokens: int) -> None:
     """N must fit the model's positions after the longest prompt: a long-generation measure is never cut short."""
     longest, limit = max(len(i) for i in ids), lm.model.cfg.max_seq_len
@@ -61,13 +57,6 @@ def policy_for(spec, budget, length: int, recent) -> Policy:
         if isinstance(share, float) and share * length < 0.5:
             raise UserError(f"--budget {budget} of {length} tokens (prompt + --max-new-tokens) rounds to no token")
     return make_policy(spec, budget, length, recent, quiet=True)
-
-
-@torch.inference_mode()
-def reference(decoder: Decoder, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
-    """(B, N): the full cache's greedy continuation of every prompt (a batch: full's rows never interact)."""
-    full = make_policy("full", None, 1)
-    return torch.stack(list(decoder.generate(ids, full, new_tokens, prefill)), 1)
 
 
 @torch.inference_mode()
@@ -102,8 +91,9 @@ def fidelity(decoder: Decoder, full: Policy, policy: Policy, ids: list[list[int]
 
 
 @torch.inference_mode()
-def free_running(decoder: Decoder, policy: Policy, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
-    """(B, N): the policy's own greedy continuation of every prompt (rows of one batch share one policy)."""
+def greedy(decoder: Decoder, policy: Policy, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
+    """(B, N): each prompt's greedy continuation under `policy` (rows of one batch share it; they never interact).
+    Under `full` it is the reference; under the policy evaluated, its free-running text."""
     return torch.stack(list(decoder.generate(ids, policy, new_tokens, prefill)), 1)
 
 
@@ -118,24 +108,24 @@ def evaluate(lm: LM, prompts: Prompts, new_tokens: int, spec: str, budget, recen
              chat: bool | None = None, kv_bits: int | None = None, refs: dict | None = None) -> dict:
     """One JSON row: `spec` at `budget` over every prompt (per-prompt numbers in `prompts`, means at the top).
     refs: the references already made for these prompts (filled on first use), so a sweep makes them once."""
-    ids = prompt_ids(lm, prompts, chat)
+    ids = encode_prompts(lm, prompts.texts, chat)
     check_room(lm, ids, new_tokens)
     decoder = Decoder(lm.model, kv_bits=kv_bits)
     plain = Decoder(lm.model)  # the reference is the full cache as the model computes it
+    full = make_policy("full", None, 1)
     if refs is not None and "tokens" in refs:
         ref = refs["tokens"]
     else:
-        ref = reference(plain, ids, new_tokens, prefill)
+        ref = greedy(plain, full, ids, new_tokens, prefill)
         if refs is not None:
             refs["tokens"] = ref
-    full = make_policy("full", None, 1)
     # Rows of one batch share C; a fraction is each prompt's own, so rows with equal C run together.
     policies = [policy_for(spec, budget, len(i) + new_tokens, recent) for i in ids]
     mine = torch.empty_like(ref)
     nll, kl = [0.0] * len(ids), [0.0] * len(ids)
     for policy in dict.fromkeys(policies):
         rows = [r for r, p in enumerate(policies) if p == policy]
-        mine[rows] = free_running(decoder, policy, [ids[r] for r in rows], new_tokens, prefill)
+        mine[rows] = greedy(decoder, policy, [ids[r] for r in rows], new_tokens, prefill)
         for r, n, k in zip(rows, *fidelity(decoder, full, policy, [ids[r] for r in rows], ref[rows], prefill)):
             nll[r], kl[r] = n, k
     per_prompt = []

@@ -166,15 +166,15 @@ def rename(cfg: Config, name: str, tensor: torch.Tensor) -> list[tuple[str, torc
     return [(target, tensor)]
 
 
-_FUSED = {"gpt_neox": (r"\.attn\.w[qkv]\.", ".attn.wqkv."), "phi3": (r"\.attn\.w[qkv]\.", ".attn.wqkv_split."),
-          "phi3_mlp": (r"\.mlp\.w_(gate|up)\.", ".mlp.w_gate_up.")}
+# the model's split tensors -> the fused one a checkpoint holds (`rename` splits them), per family
+_FUSED = {"gpt_neox": [(r"\.attn\.w[qkv]\.", ".attn.wqkv.")],
+          "phi3": [(r"\.attn\.w[qkv]\.", ".attn.wqkv_split."), (r"\.mlp\.w_(gate|up)\.", ".mlp.w_gate_up.")]}
 
 
 def checkpoint_name(cfg: Config, target: str, names: list[str]) -> str:
     """What the checkpoint would call the tensor that fills the model's `target`: spelt like the tensors of the
     same kind it does hold (another layer's), else from the name map's pattern with its optional parts left out."""
-    candidates = [target] + [re.sub(pattern, fused, target) for key, (pattern, fused) in _FUSED.items()
-                             if key.startswith(cfg.family)]
+    candidates = [target] + [re.sub(pattern, fused, target) for pattern, fused in _FUSED.get(cfg.family, [])]
     for pattern, template in NAME_MAPS[cfg.family]:
         pieces = re.split(r"\\(\d)", template)  # literal, group number, literal, ...
         regex = "".join(re.escape(x) if i % 2 == 0 else r"([^.]+)" for i, x in enumerate(pieces))

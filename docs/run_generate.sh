@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # docs/results.md section 11: what eviction does to long generations (h2o-mini eval generate), the built-in
-# long-output prompts, on the default model (N = 512) and Gemma 3 270M (N = 256), policies at 128 tokens.
-# Resumable (each point is appended to its .jsonl as it finishes).
+# long-output prompts, every registered policy at 64 / 128 / 256 tokens and 0.1 / 0.2 of prompt + N.
+#   docs/run_generate.sh [OUT] [MODELS] [N...]     default: docs/results, "default gemma3-270m", 512 1024
+# Every point is one row per prompt; the points run as the rows of batched passes (32 rows at a time). Resumable:
+# each point is appended to its .jsonl as it finishes, and a rerun skips the points already there.
 #   python docs/results_tables.py docs/results generate     prints the tables
 set -euo pipefail
 out=${1:-docs/results}
-h2o-mini eval generate --max-new-tokens 512 --budget 128 --policy local --policy heavy_hitter --policy h2o \
-  --policy sinks --policy tova --policy scissorhands --policy snapkv --policy a2sf --policy vatp \
-  --out "$out/generate_default_512.jsonl" --plot "$out/generate_default_512.png" --json > /dev/null
-h2o-mini eval generate --model gemma3-270m --max-new-tokens 256 --budget 128 --policy local --policy h2o \
-  --policy tova --policy a2sf --out "$out/generate_gemma3-270m_256.jsonl" --plot "$out/generate_gemma3-270m_256.png" \
-  --json > /dev/null
+models=${2:-"default gemma3-270m"}
+shift $(( $# < 2 ? $# : 2 ))
+lengths=${*:-"512 1024"}
+mkdir -p "$out"
+policies=$(python3 -c "from h2o_mini.policies import REGISTRY; print(' '.join('--policy ' + n for n in REGISTRY))")
+for model in $models; do
+  for n in $lengths; do
+    # token counts and fractions on two plots (one kind of budget per x axis), one file
+    for budgets in "--budget 64 --budget 128 --budget 256" "--budget 0.1 --budget 0.2"; do
+      kind=$([[ $budgets == *0.1* ]] && echo fraction || echo tokens)
+      # shellcheck disable=SC2086
+      h2o-mini eval generate --model "$model" --max-new-tokens "$n" $policies $budgets \
+        --out "$out/generate_${model}_$n.jsonl" --plot "$out/generate_${model}_${n}_$kind.png" --json > /dev/null
+    done
+  done
+done

@@ -1,7 +1,7 @@
 """h2o-mini: a small, exact, pure-PyTorch reference implementation of H2O KV-cache eviction
 (Zhang et al., 2023, arXiv 2306.14048) for OPT, LLaMA (GQA), GPT-NeoX, Qwen2, Qwen3, Mistral and Phi-3
 checkpoints."""
-from .api import generate, load, perplexity, stream
+from .api import generate, load, perplexities, perplexity, stream
 from .config import Config
 from .errors import UserError
 from .record import Recording, record
@@ -12,4 +12,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Config", "UserError", "Policy", "param", "REGISTRY", "make_policy", "Full", "Local", "HeavyHitter", "H2O",
            "Sinks", "TOVA", "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV",
-           "load", "generate", "stream", "perplexity", "record", "Recording"]
+           "load", "generate", "stream", "perplexity", "perplexities", "record", "Recording"]

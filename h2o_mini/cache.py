@@ -27,17 +27,25 @@ import torch.nn.functional as F
 from .config import Config
 from .policies import Policy
 from .policies.base import check_causal, keep_scores
+from .policies.rows import Rows
 from .quant import cat_slots, codec, gather_slots, scatter_slots_
+
+ABSENT = -2  # the position of a slot a row does not have: rows of several policies (`Rows`) share one layer's
+# C = the widest row's capacity, and a narrower row's extra slots carry this mark. Like an empty slot (-1) it is
+# never attended; unlike one it is never filled (never a victim), so the row holds exactly its own capacity.
 
 
 class LayerCache:
     """One layer's C slots per (row, KV head), and the eviction mechanics over them."""
 
-    def __init__(self, cfg: Config, policy: Policy, batch: int, capacity: int, dtype, device, dense_block: int,
-                 token_fn, kv_bits: int | None = None, window: int | None = None):
+    def __init__(self, cfg: Config, policy: Policy, batch: int, capacity: int | list[int], dtype, device,
+                 dense_block: int, token_fn, kv_bits: int | None = None, window: int | None = None):
         """window: a sliding-window layer's W (docs/spec.md): tokens with p <= t - W are dead, evicted before
-        any live one and never attended; the caller gives it at most W slots."""
+        any live one and never attended; the caller gives it at most W slots. capacity: C, or one per row (`Rows`)."""
+        rows = capacity if isinstance(capacity, list) else [capacity] * batch
+        capacity = max(rows)
         self.policy, self.capacity, self.dense_block, self.token_fn = policy, capacity, dense_block, token_fn
+        self.row_capacity, self.uneven = rows, len(set(rows)) > 1  # uneven: some row has ABSENT slots
         self.window = window
         self.scale, self.cap = cfg.attn_scale, cfg.attn_softcap  # the logits: cap * tanh(scale * q.k / cap) (Gemma 2)
         self.codec = codec(kv_bits, cfg.head_dim, dtype)
@@ -45,6 +53,8 @@ class LayerCache:
         self.k = self.codec.empty(*shape, cfg.head_dim, device)  # parts of (B, n_kv_head, C, ...), after RoPE
         self.v = self.codec.empty(*shape, cfg.head_dim, device)
         self.pos = torch.full(shape, -1, dtype=torch.int64, device=device)  # original positions, -1 = empty
+        self.own = torch.tensor(rows, device=device)[:, None, None]  # (B, 1, 1) each row's own C; slots past it:
+        self.pos.masked_fill_(torch.arange(capacity, device=device) >= self.own, ABSENT)  # absent (uneven rows only)
         self.score = torch.zeros(shape, dtype=torch.float32, device=device)  # the policy's per-token score
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -77,8 +87,13 @@ class LayerCache:
         if self.window is not None:
             dead = dead | (self.pos <= t - self.window)
         keep = keep_scores(policy, self.score, self.pos, t, keys, values).masked_fill(dead, -torch.inf)  # (B, H, C)
-        lowest = keep.amin(-1, keepdim=True)
-        oldest_of_lowest = torch.where(keep == lowest, self.pos, torch.iinfo(torch.int64).max)
+        absent = self.pos == ABSENT if self.uneven else None
+        if self.uneven:
+            keep = keep.masked_fill(absent, torch.inf)
+        candidates = keep == keep.amin(-1, keepdim=True)
+        if self.uneven:  # a row's absent slots are never filled, even when it protects every slot it has
+            candidates = candidates & ~absent
+        oldest_of_lowest = torch.where(candidates, self.pos, torch.iinfo(torch.int64).max)
         slot = oldest_of_lowest.argmin(-1, keepdim=True)  # (B, H, 1): the slot token t overwrites
         scatter_slots_(self.k, slot, k)
         scatter_slots_(self.v, slot, v)
@@ -124,8 +139,10 @@ class LayerCache:
             mask = mask & ((pos[:, :, None] - pos[:, None, :]) < self.window)
         mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)
         # Only the last `prompt_window` queries (all, by default) shape the scores; rows end together at T - 1.
-        first_scored = T - min(T, policy.prompt_window or T)
-        scored_query = valid & (torch.arange(T, device=q.device) >= first_scored)  # (B, T)
+        windows = policy.prompt_windows() if isinstance(policy, Rows) else [policy.prompt_window] * B  # per row
+        first = torch.tensor([T - min(T, w or T) for w in windows], device=q.device)
+        first_scored = int(first.min())
+        scored_query = valid & (torch.arange(T, device=q.device) >= first[:, None])  # (B, T)
         out = torch.empty_like(q)
         score = policy.insert_score(k)  # (B, H, T)
         # Query blocks bound the memory of a block's fp32 probabilities: 16 MiB on CPU, where smaller blocks are
@@ -156,7 +173,10 @@ class LayerCache:
         n = min(C, T)
         # the n highest keep-scores, ties to the newest (flip: a stable sort keeps the earlier = newer first)
         ranked = keep.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :n]
-        idx = (T - 1 - ranked).sort(-1).values  # (B, H, n) kept tokens in position order
+        idx = T - 1 - ranked
+        if self.uneven:  # a row keeps its own C: its ranks past it sort last, into the slots that are absent
+            idx = idx.masked_fill(torch.arange(n, device=q.device) >= self.own, T)
+        idx = idx.sort(-1).values.clamp(max=T - 1)  # (B, H, n) kept tokens in position order
         for stored, new in ((self.k, k_parts), (self.v, v_parts)):
             for part, kept in zip(stored, gather_slots(new, idx)):
                 part[:, :, :n] = kept
@@ -165,6 +185,10 @@ class LayerCache:
         self.score[:, :, :n] = score.gather(2, idx).masked_fill(kept_pos < 0, 0.0)
         self.pos[:, :, n:] = -1
         self.score[:, :, n:] = 0.0
+        if self.uneven:
+            beyond = torch.arange(C, device=q.device) >= self.own  # (B, 1, C)
+            self.pos.masked_fill_(beyond, ABSENT)
+            self.score.masked_fill_(beyond, 0.0)
         return out
 
     # -- a chunk through the per-token rule: prefill (stream mode) and evaluation --
@@ -174,7 +198,9 @@ class LayerCache:
         g = n_head // H
         # Virtual slots: the C cached tokens in position order (empty ones first), then the K new tokens.
         # In position order, argmin's first-minimum rule *is* "ties evict the oldest".
-        order = self.pos.argsort(dim=-1, stable=True)  # (B, H, C)
+        # (A row's absent slots go after its cached ones: never first, where an all-protected argmin would look.)
+        rank = self.pos.masked_fill(self.pos == ABSENT, torch.iinfo(torch.int64).max) if self.uneven else self.pos
+        order = rank.argsort(dim=-1, stable=True)  # (B, H, C)
         vk_parts = cat_slots(gather_slots(self.k, order), k_parts)  # (B, H, C+K, ...)
         vv_parts = cat_slots(gather_slots(self.v, order), v_parts)
         vk, vv = self.codec.decode(vk_parts), self.codec.decode(vv_parts)  # (B, H, C+K, hd)
@@ -182,7 +208,7 @@ class LayerCache:
         new_score = self.policy.insert_score(vk[:, :, C:])  # (B, H, K)
         vscore = torch.cat([self.score.gather(2, order), new_score], 2)
         alive = torch.cat([vpos[..., :C] >= 0, vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)  # attendable
-        member = torch.cat([vpos.new_ones(B, H, C, dtype=torch.bool), vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)
+        member = torch.cat([vpos[..., :C] != ABSENT, vpos.new_zeros(B, H, K, dtype=torch.bool)], 2)  # in the cache
         logits = self._capped((q.reshape(B, H, g * K, D) @ vk.transpose(-1, -2)).float() * self.scale)
         logits = logits.view(B, H, g, K, C + K)
         probs = torch.empty_like(logits)  # (B, H, g, K, C+K)
@@ -195,13 +221,16 @@ class LayerCache:
             vscore, alive, member, probs[:, :, :, i] = self.token_fn(self.policy, vscore, vpos, alive, member,
                                                                      logits[:, :, :, i], t, ok, slots, keys, values)
         out = probs.to(vv.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
-        # Exactly C virtual slots are still members (one left for each one that came in): compact them.
+        # Exactly C virtual slots are still members (one left for each one that came in; a row's own C if it has
+        # absent slots, which then fill the rest): compact them.
         kept = (~member).to(torch.uint8).argsort(dim=-1, stable=True)[..., :C]  # (B, H, C), position order
         kept_alive = alive.gather(2, kept)
         for stored, virtual in ((self.k, vk_parts), (self.v, vv_parts)):
             for part, survivor in zip(stored, gather_slots(virtual, kept)):
                 part.copy_(survivor)
         self.pos.copy_(vpos.gather(2, kept).masked_fill(~kept_alive, -1))
+        if self.uneven:  # the slots past a row's own C (never alive) are absent again
+            self.pos.masked_fill_(~member.gather(2, kept), ABSENT)
         self.score.copy_(vscore.gather(2, kept).masked_fill(~kept_alive, 0.0))
         return out.view(B, n_head, K, D)
 
@@ -231,7 +260,8 @@ def stream_token(policy: Policy, score, pos, alive, member, logits, t, ok, slots
 
 class KVCache:
     """The whole model's cache: one `LayerCache` per layer, all with the same policy, each with the capacity
-    the policy gives its layer (the same C in every layer, except for per-layer policies such as PyramidKV)."""
+    the policy gives its layer (the same C in every layer, except for per-layer policies such as PyramidKV).
+    With `Rows` (several policies, each over its own rows) each row has its own policy's capacity."""
 
     def __init__(self, cfg: Config, policy: Policy, batch: int, length: int, dtype=torch.float32,
                  device=None, dense_block: int = 128, token_fn=stream_token, kv_bits: int | None = None):
@@ -242,15 +272,22 @@ class KVCache:
         device = torch.get_default_device() if device is None else device
         self.policy, self.length = policy, length
         self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it
-        self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), batch,
-                                  min(policy.layer_capacity(i, cfg.n_layer, length), cfg.window(i) or length), dtype,
-                                  device, dense_block, token_fn, kv_bits, cfg.window(i)) for i in range(cfg.n_layer)]
+        if isinstance(policy, Rows) and policy.batch != batch:
+            raise ValueError(f"{policy} covers {policy.batch} rows, not the batch's {batch}")
+
+        def slots(i: int) -> int | list[int]:  # layer i's C (one per row for Rows), never past its window
+            n, room = cfg.n_layer, cfg.window(i) or length
+            if isinstance(policy, Rows):
+                return [min(c, room) for c in policy.row_capacities(i, n, length)]
+            return min(policy.layer_capacity(i, n, length), room)
+        self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), batch, slots(i), dtype, device,
+                                  dense_block, token_fn, kv_bits, cfg.window(i)) for i in range(cfg.n_layer)]
         self.kv_bits = self.layers[0].codec.bits
 
     @property
     def evicts(self) -> bool:
         """Whether some layer holds fewer slots than `length` (else nothing is ever evicted: full's logits)."""
-        return any(layer.capacity < self.length for layer in self.layers)
+        return any(min(layer.row_capacity) < self.length for layer in self.layers)
 
     @property
     def nbytes(self) -> int:

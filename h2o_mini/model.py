@@ -181,10 +181,16 @@ class Transformer(nn.Module):
         mode (with a `cache.KVCache`): "dense" (causal prompt attention, then keep C per the policy),
         "stream" (the per-token eviction rule over the whole chunk), or "step" (one token per row).
         """
+        x = self.hidden(idx, pos, cache, mode)
+        return self.head(x[:, -1:] if last_only else x)
+
+    def hidden(self, idx: torch.Tensor, pos: torch.Tensor, cache=None, mode: str = "dense") -> torch.Tensor:
+        """`forward` up to the head: the last layer's output (B, T, d_model). Scoring many rows at a large
+        vocabulary takes the head a block at a time from here, never (B, T, vocab) at once."""
         x, ropes = self.embed(idx, pos)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, ropes[i], None if cache is None else cache.layers[i], mode)
-        return self.head(x[:, -1:] if last_only else x)
+        return x
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor):
         """Token (and learned position) embeddings, and each layer's RoPE cos/sin at the original positions

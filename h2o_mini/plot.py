@@ -16,16 +16,16 @@ from .api import LM
 from .errors import UserError
 from .files import write_atomic
 from .policies import Policy
-from .record import record
+from .record import record_many
 
 
-def kept_matrix(lm: LM, ids: list[int], policy: Policy, layer: int, head: int) -> torch.Tensor:
-    """(T, T) bool: [p, t] is True when position p is cached after step t, in `layer`, KV `head`, row 0
-    (read off the recorder that `explore` uses too: `record.py`)."""
+def kept_matrices(lm: LM, ids: list[int], policies: list[Policy], layer: int, head: int) -> list[torch.Tensor]:
+    """(T, T) bool per policy: [p, t] is True when position p is cached after step t, in `layer`, KV `head`
+    (read off the recorder that `explore` uses too, every policy a row of one pass: `record.py`)."""
     cfg = lm.model.cfg
     if not 0 <= layer < cfg.n_layer or not 0 <= head < cfg.n_kv_head:
         raise UserError(f"--layer must be in [0, {cfg.n_layer}) and --head in [0, {cfg.n_kv_head})")
-    return record(lm.model, ids, policy, snapshots=1).kept_matrix(layer, head)
+    return [rec.kept_matrix(layer, head) for rec in record_many(lm.model, ids, policies, snapshots=1)]
 
 
 def figure(panels: int, size: tuple[float, float]):

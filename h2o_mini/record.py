@@ -1,12 +1,13 @@
 """Recording what a policy keeps: the one recorder behind `h2o-mini plot kept` and `h2o-mini explore`.
 
-`record(lm_or_model, ids, policy)` reads a text through the real cache (`cache.py`), one token at a time in
-stream mode (every token through the rule, the spec's evaluation mode), and notes for every layer, batch
-row 0 and KV head the step at which each position was evicted, and the scores of the cached tokens at a
-few chosen steps (enough to colour a picture; bounded in size). Nothing is re-implemented: the positions
-and scores are read off the cache's own slots after each step.
+`record(model, ids, policy)` reads a text through the real cache (`cache.py`), one token at a time through
+the decode step (every token through the rule, the spec's evaluation mode), and notes for every layer and KV
+head the step at which each position was evicted, and the scores of the cached tokens at a few chosen steps
+(enough to colour a picture; bounded in size). Nothing is re-implemented: the positions and scores are read
+off the cache's own slots after each step. `record_many` records several policies in one pass, each the row
+of a batch with its own policy and capacity (`policies/rows.py`).
 
-    rec = h2o_mini.record(lm, ids, h2o_mini.H2O(heavy=32, recent=32), snapshots=16)
+    rec = h2o_mini.record(lm.model, ids, h2o_mini.H2O(heavy=32, recent=32), snapshots=16)
     rec.kept(layer=15, head=0, step=100)      # the positions cached after token 100
     rec.evicted_at[15, 0, 7]                  # when position 7 left layer 15, head 0 (-1: never)
 
@@ -23,6 +24,7 @@ from .cache import KVCache
 from .errors import UserError
 from .model import Transformer
 from .policies import Policy
+from .policies.rows import Rows
 
 
 @dataclass
@@ -69,42 +71,60 @@ def record(model: Transformer, ids: list[int], policy: Policy, snapshots: int = 
     """Read `ids` through a cache of `policy` and note what it keeps. prefill "stream": one token at a time,
     every token through the rule; "dense": the whole text as one dense prompt (nothing leaves before its end,
     then the kept set is chosen at once: every evicted position has step T - 1)."""
-    if prefill == "dense":
-        return _record_dense(model, ids, policy, kv_bits)
-    cfg = model.cfg
+    return record_many(model, ids, [policy], snapshots, kv_bits, prefill, progress)[0]
+
+
+@torch.inference_mode()
+def record_many(model: Transformer, ids: list[int], policies: list[Policy], snapshots: int = 16,
+                kv_bits: int | None = None, prefill: str = "stream", progress=None,
+                max_batch: int = 32) -> list[Recording]:
+    """`record` for every policy. Streamed, up to `max_batch` policies read the text together as the rows of one
+    batch (`policies/rows.py`), one token per step through the decode step; each row's recording is its policy's
+    alone. progress(t): called after each step of each batch."""
     T = len(ids)
     if T < 2:
         raise UserError("recording needs at least 2 tokens")
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(cfg, policy, 1, T, dtype=dtype, device=device, kv_bits=kv_bits)
-    evicted = torch.full((cfg.n_layer, cfg.n_kv_head, T), -1, dtype=torch.int32)
+    if prefill == "dense":  # each policy keeps its own C at once: no shared pass (see cache.LayerCache._dense)
+        return [_record_dense(model, ids, policy, kv_bits) for policy in policies]
+    return [rec for at in range(0, len(policies), max_batch)
+            for rec in _record_rows(model, ids, policies[at:at + max_batch], snapshots, kv_bits, progress)]
+
+
+def _record_rows(model, ids, policies, snapshots, kv_bits, progress) -> list[Recording]:
+    cfg, T, B = model.cfg, len(ids), len(policies)
+    p = next(model.parameters())
+    cache = KVCache(cfg, Rows([(policy, 1) for policy in policies]), B, T, dtype=p.dtype, device=p.device,
+                    kv_bits=kv_bits)
+    evicted = torch.full((B, cfg.n_layer, cfg.n_kv_head, T), -1, dtype=torch.int32)
     steps = snapshot_steps(T, snapshots)
-    scores, nll = [], 0.0
-    previous = [layer.pos[0].clone() for layer in cache.layers]  # (H, C) per layer
-    x = torch.tensor([ids], device=device)
+    scores = [[] for _ in policies]
+    nll = torch.zeros(B, dtype=torch.float64)
+    x = torch.tensor([ids], device=p.device).expand(B, -1)  # (B, T): the same text in every row
+    arrived = torch.arange(T)  # a position has arrived by step t when it is <= t
     for t in range(T):
-        logits = model(x[:, t:t + 1], torch.tensor([[t]], device=device), cache, mode="stream")[0, -1]
+        logits = model(x[:, t:t + 1], torch.full((B, 1), t, device=p.device), cache, mode="step")[:, -1]  # (B, V)
         if t + 1 < T:
-            nll -= logits.float().log_softmax(-1)[ids[t + 1]].item()
-        for i, layer in enumerate(cache.layers):
-            now = layer.pos[0]  # (H, C)
-            for h in range(cfg.n_kv_head):  # positions that were cached before this token and are not now
-                gone = set(previous[i][h].tolist()) - set(now[h].tolist()) - {-1}
-                for p in gone:
-                    evicted[i, h, p] = t
-            previous[i] = now.clone()
+            nll -= logits.float().log_softmax(-1)[:, ids[t + 1]].double().cpu()
+        for i, layer in enumerate(cache.layers):  # positions that have arrived, are not cached and had no step yet
+            pos = layer.pos.cpu()  # (B, H, C)
+            cached = torch.zeros(B, cfg.n_kv_head, T + 1, dtype=torch.bool)  # column T: empty and absent slots
+            cached.scatter_(2, pos.masked_fill(pos < 0, T), True)
+            gone = ~cached[..., :T] & (arrived <= t) & (evicted[:, i] < 0)
+            evicted[:, i].masked_fill_(gone, t)
         if t in steps:
-            scores.append([_ordered_scores(layer) for layer in cache.layers])
+            for b in range(B):
+                scores[b].append([_ordered_scores(layer, b) for layer in cache.layers])
         if progress:
             progress(t)
-    return Recording(policy, list(ids), evicted, steps, scores, nll / (T - 1),
-                     [layer.capacity for layer in cache.layers], cache.nbytes)
+    return [Recording(policy, list(ids), evicted[b], steps, scores[b], float(nll[b]) / (T - 1),
+                      [layer.row_capacity[b] for layer in cache.layers],  # a row's own bytes: its cache alone
+                      KVCache(cfg, policy, 1, T, dtype=p.dtype, device="meta", kv_bits=kv_bits).nbytes)
+            for b, policy in enumerate(policies)]
 
 
-def _ordered_scores(layer) -> torch.Tensor:
-    """(H, n_cached) the cached tokens' scores, each head's in position order (empty slots left out)."""
-    pos, score = layer.pos[0].cpu(), layer.score[0].float().cpu()  # (H, C)
+def _ordered_scores(layer, row: int = 0) -> torch.Tensor:
+    """(H, n_cached) the cached tokens' scores of one row, each head's in position order (empty slots left out)."""
+    pos, score = layer.pos[row].cpu(), layer.score[row].float().cpu()  # (H, C)
     order = pos.argsort(-1)
     pos, score = pos.gather(-1, order), score.gather(-1, order)
     n = int((pos[0] >= 0).sum())  # every head holds the same number of tokens

@@ -91,7 +91,8 @@ def test_bad_bench_plot_and_batches(folder, tmp_path):
 
 def test_the_gpu_script_runs_dry_on_cpu(folder, tmp_path):
     """docs/gpu/run.sh --dry-run: every step of the GPU run (parity tests, the bench curve and plot, the
-    OPT-shaped latency/throughput runs) on CPU with tiny shapes, so the script does not rot before a GPU runs it."""
+    OPT-shaped latency/throughput runs, policies batched as rows) on CPU with tiny shapes, so the script does not
+    rot before a GPU runs it."""
     script = Path(__file__).resolve().parent.parent / "docs/gpu/run.sh"
     # from another folder, with no venv on PATH: the script must use the interpreter it is given
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
@@ -111,6 +112,8 @@ def test_the_gpu_script_runs_dry_on_cpu(folder, tmp_path):
     assert latency[0]["batch"] == latency[1]["batch"]
     assert throughput[1]["batch"] > throughput[0]["batch"]  # a fifth of the cache: more rows in the same memory
     assert "latency full / h2o" in (tmp_path / "opt_random.md").read_text()
+    cost = (tmp_path / "batched_cost.txt").read_text().splitlines()  # batched against one by one, both ways
+    assert [line[:2] for line in cost] == ["1.", "1.", "2.", "3."] and "one batch" in cost[-1]
 
 
 def test_the_gpu_script_fails_loudly(tmp_path):

@@ -141,12 +141,13 @@ def test_plot_kept_writes_a_png(folder, tmp_path):
 
 
 def test_kept_matrix_matches_the_cache(tiny_model):
-    """The picture's data: local keeps exactly the last C positions at every step."""
+    """The picture's data, recorded in one pass for both panels: local keeps exactly the last C positions at
+    every step, with another policy of a larger C in the same batch."""
     from h2o_mini.api import LM
-    from h2o_mini.plot import kept_matrix
-    from h2o_mini.policies import Local
+    from h2o_mini.plot import kept_matrices
+    from h2o_mini.policies import H2O, Local
     from .conftest import text_bytes
     lm = LM(tiny_model("llama_gqa_tied"), None, None)
-    kept = kept_matrix(lm, text_bytes(20), Local(recent=5), layer=1, head=1)
+    kept, _ = kept_matrices(lm, text_bytes(20), [Local(recent=5), H2O(heavy=4, recent=4)], layer=1, head=1)
     for t in range(20):
         assert kept[:, t].nonzero().flatten().tolist() == list(range(max(0, t - 4), t + 1))

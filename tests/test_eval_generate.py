@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h2o_mini import api
-from h2o_mini.evals.generation import Prompts, evaluate
+from h2o_mini.evals.generation import Prompts, evaluate, evaluate_many
 
 from .test_bad_input import one_line_error, run_cli
 
@@ -57,6 +57,21 @@ def test_a_batch_of_prompts_gives_each_prompts_own_numbers(lm, policy):
         alone = evaluate(lm, Prompts("one", [text]), N, policy, "8", chat=False)["per_prompt"][0]
         assert alone["agree_tokens"] == mine["agree_tokens"] and alone["agree_share"] == mine["agree_share"]
         assert abs(alone["nll"] - mine["nll"]) <= 1e-5 and abs(alone["kl_full"] - mine["kl_full"]) <= 1e-5
+
+
+def test_points_batched_together_give_each_point_its_own_numbers(lm):
+    """eval generate's one pass: every point (full, and policies at fractions and token counts, so the rows have
+    different capacities) as rows of batches of 5, against each point evaluated alone."""
+    points = [("full", None), ("h2o", "8"), ("tova", "0.3"), ("snapkv", "12"), ("a2sf", "0.25"), ("local", "6")]
+    refs = {}
+    together = dict(evaluate_many(lm, PROMPTS, N, points, chat=False, max_batch=5, refs=refs))
+    assert sorted(together) == list(range(len(points)))
+    for j, (spec, budget) in enumerate(points):
+        alone = evaluate(lm, PROMPTS, N, spec, budget, chat=False, refs=refs)
+        assert together[j]["policy"] == alone["policy"] and together[j]["params"] == alone["params"]
+        for mine, theirs in zip(together[j]["per_prompt"], alone["per_prompt"]):
+            assert mine["agree_tokens"] == theirs["agree_tokens"] and mine["capacity"] == theirs["capacity"]
+            assert abs(mine["nll"] - theirs["nll"]) <= 1e-5 and abs(mine["kl_full"] - theirs["kl_full"]) <= 1e-5
 
 
 def test_cli_json_table_resume_and_plot(folder, tmp_path, capsys, monkeypatch):

@@ -80,6 +80,15 @@ class Stateful(H2O):
         return torch.where(pos > t - self.recent, torch.inf, score + (self.calls[0] % 3) * pos.float())
 
 
+@dataclass(frozen=True)
+class AcrossRows(H2O):
+    """Reads the other rows of the batch: exact alone, wrong beside other sequences."""
+    name = "across_rows"
+
+    def keep_score(self, score, pos, t, keys=None):
+        return torch.where(pos > t - self.recent, torch.inf, score - 0.5 * score.mean(0, keepdim=True))
+
+
 class NotAPolicy:
     pass
 
@@ -123,13 +132,14 @@ def test_check_policy_proves_a_plugin_exact_on_every_path(plugin):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     for path in ("decode step", "stream, chunks of 7", "dense prefill in blocks of 7", "ragged batch, dense prefill",
-                 "compiled step", "4-bit keys and values"):
+                 "compiled step", "4-bit keys and values", "batched with other policies"):
         assert any(path in line and line.rstrip().endswith("pass") for line in lines), path
-    assert lines[-1] == "20 passed, 0 failed"  # 11 paths on the first family, 8 on the second, the closed form
+    assert lines[-1] == "22 passed, 0 failed"  # 12 paths on the first family, 9 on the second, the closed form
 
 
 @pytest.mark.parametrize("cls,needle", [("WrongClosedForm", "accumulate = update per query"),
-                                        ("Stateful", "decode step")])
+                                        ("Stateful", "decode step"),
+                                        ("AcrossRows", "batched with other policies")])
 def test_check_policy_catches_a_rule_that_is_not_exact(plugin, cls, needle):
     r = run("check-policy", f"{plugin / 'broken.py'}:{cls}", "--families", "llama_gqa")
     assert r.returncode == 1

@@ -5,7 +5,9 @@
 #   (b) the default model in bf16 with the compiled step and CUDA graphs: full vs h2o 0.2, batch 8,
 #       decode rate, KV bytes and peak memory against context (512 .. 8192 tokens), table + plot;
 #   (c) OPT-6.7B-shaped random weights, 2048 + 2048 tokens: full vs h2o 0.2 latency at one batch and
-#       throughput at the largest batch each fits (docs/gpu/opt_random.py).
+#       throughput at the largest batch each fits (docs/gpu/opt_random.py);
+#   (d) many policies as the rows of one batch against one after another, reading and writing
+#       (docs/batched_cost.py).
 # --dry-run: the same steps on CPU with tiny shapes (MODEL=a checkpoint folder; tests/test_bench.py runs it).
 # PYTHON: the interpreter to use (default: python3 on PATH; the tests pass their own). Runs from the repository
 # root whatever the caller's folder; a relative OUT is taken from the caller's folder.
@@ -45,4 +47,8 @@ fi
 # (b)
 "$py" -m h2o_mini bench "${bench[@]}" --policy full --policy h2o --budget 0.2 --same-prompt --json \
   --plot "$out/default_bf16.png" > "$out/default_bf16.jsonl"
+# (d)
+cost=(--device cuda)
+if [ $dry = 1 ]; then cost=(--model "${MODEL:-default}" --device cpu --tokens 8 --new-tokens 2); fi
+"$py" docs/batched_cost.py "${cost[@]}" > "$out/batched_cost.txt"
 echo "wrote $out"

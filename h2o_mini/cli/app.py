@@ -16,7 +16,7 @@ from .. import api, parallel
 from ..errors import UserError, out_of_memory
 from ..files import check_output, read_prompts, read_text
 from ..generate import Sampling
-from ..plot import kept_matrix, save_kept_plot
+from ..plot import kept_matrices, save_kept_plot
 from ..bench import DEFAULT_TEXT
 from ..policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from ..policies.plugins import PluginError, installed
@@ -164,9 +164,9 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
     names = policies or ("local", "heavy_hitter", "h2o")
     chosen = [api.as_policy(n, budget_if_taken(n, budget), tokens, recent_if_taken(n, recent)) for n in names]
     matrices = {}
-    for name, policy in zip(names, chosen):
+    for name, policy, matrix in zip(names, chosen, kept_matrices(lm, ids, chosen, layer, head)):  # one pass for all
         label = f"{resolve(name).name} ({', '.join(f'{k}={v}' for k, v in policy.params().items()) or 'all'})"
-        matrices[label] = kept_matrix(lm, ids, policy, layer, head)
+        matrices[label] = matrix
     save_kept_plot(matrices, Path(out), f"{lm.folder.name}: tokens kept, layer {layer}, KV head {head}")
     click.echo(out)
 

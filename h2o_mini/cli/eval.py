@@ -38,9 +38,13 @@ def _one(values: tuple, flag: str, command: str):
     return values[0] if values else None
 
 
-def ppl_options(f):
-    f = click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: "
-                     "on for cuda; on CPU a compiled call costs more than the small ops it fuses)")(f)
+def ppl_options(f, sweep: bool = False):
+    if sweep:  # rows of many policies share one pass, run eagerly (one compiled loop per policy would not pay)
+        f = click.option("--max-batch", default=32, show_default=True, type=click.IntRange(1, 4096),
+                         help="at most N policy/budget points as the rows of one pass (memory grows with N)")(f)
+    else:
+        f = click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: "
+                         "on for cuda; on CPU a compiled call costs more than the small ops it fuses)")(f)
     f = click.option("--chunk", default=256, show_default=True, type=click.IntRange(1, 65536),
                      help="stream chunk size")(f)
     f = click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")(f)

@@ -7,10 +7,9 @@ from pathlib import Path
 import click
 
 from .. import api
-from ..evals.generation import BUILTIN, Prompts, evaluate
+from ..evals.generation import BUILTIN, Prompts, evaluate_many
 from ..files import read_prompts
 from ..plot import save_generation_plot
-from ..policies import recent_if_taken
 from .eval import repeatable_policies
 from .options import COUNT, model_options
 from .sweep import _sweep, check_plot, settings
@@ -39,25 +38,30 @@ Examples:
 @click.option("--chat/--no-chat", default=None, help="the chat template (default: when the model has one)")
 @click.option("--out", default=None, help="a .jsonl file: each finished point is appended; a rerun skips it")
 @click.option("--plot", "plot_path", default=None, help="divergence and NLL against budget (.png/.pdf/.svg)")
+@click.option("--max-batch", default=32, show_default=True, type=click.IntRange(1, 4096),
+              help="at most N rows (a point is one row per prompt) in one batched pass; memory grows with N")
 @click.option("--json", "as_json", is_flag=True, help="one JSON line per policy and budget")
 def eval_generate(model, dtype, device, policies, budgets, recent, kv_bits, prompts_file, max_new_tokens, prefill,
-                  chat, out, plot_path, as_json):
+                  chat, out, plot_path, max_batch, as_json):
     """The full cache writes N tokens greedily for each prompt (the reference); then, for every --policy and
     --budget: the NLL of the reference read back through the policy's cache and the KL to full along it
     (teacher-forced), how many of the policy's own greedy tokens equal the reference before the first
     difference and in all (free-running), and the cache's bytes. A fractional --budget is taken of each
-    prompt + N. `full` is always one point."""
+    prompt + N. `full` is always one point. The points run as the rows of batched passes (--max-batch), each row
+    its own policy and capacity."""
     check_plot(plot_path, budgets)
     if prompts_file:
         prompts = Prompts(Path(prompts_file).name, read_prompts(prompts_file))
     else:
         prompts = Prompts("builtin", list(BUILTIN))
     lm = api.load(model, dtype, device)
-    refs: dict = {}  # the references, made at the first point and reused by the others
     setup = settings(lm, dtype, kv_bits, recent, "\n".join(prompts.texts), new_tokens=max_new_tokens,
                      prefill=prefill, chat=chat)
     title = f"{lm.folder.name}: {prompts.name} prompts, {max_new_tokens} new tokens"
-    _sweep("generate", policies or ("h2o",), budgets or ("0.2",), out, plot_path, as_json, title, lambda p, b: [evaluate(
-        lm, prompts, max_new_tokens, p, b, recent_if_taken(p, recent), prefill, chat, kv_bits, refs)], setup,
-        show=lambda results: "\n".join([HEADER] + [row_line(rows[0]) for rows in results.values()]),
-        draw=lambda results, path, title: save_generation_plot([rows[0] for rows in results.values()], path, title))
+
+    def run_points(todo):  # the points not in --out yet, as the rows of batched passes
+        for i, row in evaluate_many(lm, prompts, max_new_tokens, todo, recent, prefill, chat, kv_bits, max_batch):
+            yield todo[i], [row]
+    _sweep("generate", policies or ("h2o",), budgets or ("0.2",), out, plot_path, as_json, title, run_points, setup,
+           show=lambda results: "\n".join([HEADER] + [row_line(rows[0]) for rows in results.values()]),
+           draw=lambda results, path, title: save_generation_plot([rows[0] for rows in results.values()], path, title))

@@ -43,7 +43,7 @@ def explore(prompt, model, dtype, device, policies, budget, recent, text_path, t
     network; opens from file://): the text as its tokens, a step slider, layer and KV-head pickers, two
     policies side by side with their differences marked, and the numbers of the run (C, KV bytes, NLL)."""
     from ..explore import page_data, render
-    from ..record import record
+    from ..record import record_many
     check_output(out, (".html", ".htm"))
     if prompt is not None and text_path is not None:
         raise UserError("give a PROMPT or --text, not both")
@@ -62,11 +62,11 @@ def explore(prompt, model, dtype, device, policies, budget, recent, text_path, t
     for name in names:  # every policy made (and checked) before the first recording
         label = name if name not in chosen else f"{name} #{len(chosen) + 1}"
         chosen[label] = api.as_policy(name, budget_if_taken(name, budget), len(ids), recent_if_taken(name, recent))
-    recordings = {}
-    for label, policy in chosen.items():
-        bar = tqdm(total=len(ids), desc=f"explore {label}", unit="tok", disable=None, leave=False)
-        recordings[label] = record(lm.model, ids, policy, snapshots, kv_bits, prefill, progress=lambda t: bar.update())
-        bar.close()
+    passes = -(-len(chosen) // 32)  # record_many's batches of at most 32 rows
+    with tqdm(total=len(ids) * passes if prefill == "stream" else None, desc=f"explore {len(chosen)} policies",
+              unit="tok", disable=None, leave=False) as bar:  # streamed: every policy a row of one pass (record.py)
+        made = record_many(lm.model, ids, list(chosen.values()), snapshots, kv_bits, prefill, lambda t: bar.update())
+    recordings = dict(zip(chosen, made))
     with torch.inference_mode():
         x = torch.tensor([ids], device=next(lm.model.parameters()).device)
         lp = lm.model(x, torch.arange(len(ids), device=x.device)[None])[0, :-1].log_softmax(-1)

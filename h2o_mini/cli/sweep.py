@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import partial
 from pathlib import Path
 
 import click
 
 from .. import api
-from ..evals.sweep import check_budget_kinds, points, run_sweep, save_sweep_plot, table
+from ..evals.sweep import check_budget_kinds, one_by_one, points, run_sweep, save_sweep_plot, table
 from ..files import check_output, read_text
 from ..policies import LOOKAHEAD, REGISTRY, recent_if_taken
 from .eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
@@ -34,19 +35,20 @@ def settings(lm, dtype: str, kv_bits, recent, text: str | None = None, **more) -
     return {**out, **more}
 
 
-def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, run_point, setup: dict,
+def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, run_points, setup: dict,
            show=None, draw=None) -> None:
-    """Every point through `run_point` (resumable --out), each row printed with --json, then the table (`show`,
-    default the sweep's own) and the plot (`draw`)."""
+    """Every point through `run_points` (`evals.sweep.run_sweep`; resumable --out), each row printed with --json
+    as its point finishes, then the table (`show`, default the sweep's own) and the plot (`draw`), in the
+    sweep's order of points."""
     show = show or (lambda results: table(kind, results))
     draw = draw or (lambda results, path, title: save_sweep_plot(kind, results, path, title))
-    results = {}
-    for point, rows in run_sweep(kind, points(policies, budgets), run_point, Path(out) if out else None,
-                                 setup, progress=not as_json):
+    todo, results = points(policies, budgets), {}
+    for point, rows in run_sweep(kind, todo, run_points, Path(out) if out else None, setup, progress=not as_json):
         results[point] = rows
         if as_json:
             for row in rows:
                 click.echo(json.dumps(dict(row, budget=point[1])))
+    results = {point: results[point] for point in todo}
     if not as_json:
         click.echo(show(results))
     if plot_path:
@@ -71,26 +73,23 @@ Example:
       --budget 0.1 --budget 0.2 --out sweep.jsonl --plot sweep.png
 """)
 @sweep_options
-@ppl_options
+@partial(ppl_options, sweep=True)
 def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plot_path, as_json, text_path, tokens,
-              compare_full, chunk, compile):
+              compare_full, chunk, max_batch):
     """eval ppl (with --compare-full always on; full's pass is made once) at every point; by default every
-    registered policy and the hindsight reference. The table gives each point's share of h2o's gap to full
-    and of h2o's gap to hindsight at the same budget, where those points are in the sweep."""
-    from ..evals.ppl import full_logprobs
+    registered policy and the hindsight reference. The points that evict run up to --max-batch at a time as the
+    rows of one pass over the text, each row exactly its point run alone. The table gives each point's share
+    of h2o's gap to full and of h2o's gap to hindsight at the same budget, where those points are in the sweep."""
     check_plot(plot_path, budgets)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
-    compile = device.startswith("cuda") if compile is None else compile
-    reference = []  # full's log-probs, computed at the first point that needs them and kept for the others
+    api.scored_ids(lm, text, tokens)  # the text and --tokens checked before any point runs
 
-    def point(p, b):
-        if not reference:
-            reference.append(full_logprobs(lm.model, api.scored_ids(lm, text, tokens)))
-        return [api.perplexity(lm, text, tokens, p, b, recent_if_taken(p, recent), True, chunk, compile, reference[0],
-                               progress=False, kv_bits=kv_bits)]
+    def run_points(todo):  # the points not in --out yet, the evicting ones as rows of batched passes
+        for point, result in api.perplexities(lm, text, tokens, todo, recent, chunk, max_batch, not as_json, kv_bits):
+            yield point, [result]
     title = f"{lm.folder.name}: perplexity under eviction, {tokens} tokens of {Path(text_path).name}"
-    _sweep("ppl", policies or (*REGISTRY, *LOOKAHEAD), budgets, out, plot_path, as_json, title, point,
+    _sweep("ppl", policies or (*REGISTRY, *LOOKAHEAD), budgets, out, plot_path, as_json, title, run_points,
            settings(lm, dtype, kv_bits, recent, text, tokens=tokens))
 
 
@@ -108,9 +107,9 @@ def sweep_needle(model, dtype, device, policies, budgets, recent, kv_bits, out, 
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     title = f"{lm.folder.name}: needle in {Path(text_path).name}, {','.join(map(str, lengths))} tokens"
-    _sweep("needle", policies, budgets, out, plot_path, as_json, title, lambda p, b: list(run_needle(
+    _sweep("needle", policies, budgets, out, plot_path, as_json, title, one_by_one(lambda p, b: list(run_needle(
         lm, text, lengths, depths, seeds, [(p, b, recent_if_taken(p, recent))], prefill, chat, progress=False,
-        kv_bits=kv_bits)), settings(lm, dtype, kv_bits, recent, text, lengths=lengths, depths=depths, seeds=seeds,
+        kv_bits=kv_bits))), settings(lm, dtype, kv_bits, recent, text, lengths=lengths, depths=depths, seeds=seeds,
                                     prefill=prefill, chat=chat))
 
 
@@ -128,9 +127,9 @@ def sweep_tasks(model, dtype, device, policies, budgets, recent, kv_bits, out, p
     lm = api.load(model, dtype, device)
     title = f"{lm.folder.name}: {','.join(tasks)} under eviction"
     include = str(Path(include_path).resolve()) if include_path else None
-    _sweep("tasks", policies, budgets, out, plot_path, as_json, title, lambda p, b: [task_result(
+    _sweep("tasks", policies, budgets, out, plot_path, as_json, title, one_by_one(lambda p, b: [task_result(
         harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, p, b, recent_if_taken(p, recent),
-                          prefill, progress=False, kv_bits=kv_bits, seed=seed), str(model), p, b)],
+                          prefill, progress=False, kv_bits=kv_bits, seed=seed), str(model), p, b)]),
            settings(lm, dtype, kv_bits, recent, tasks=tasks, include_path=include, num_fewshot=num_fewshot,
                     limit=limit, prefill=prefill, seed=list(seed)))
 

@@ -18,6 +18,7 @@ A budget fraction is taken of prompt + N (each prompt's own length; a token coun
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ import torch
 from ..api import LM, encode_prompts
 from ..errors import UserError
 from ..generate import Decoder, left_pad
-from ..policies import Policy, make_policy, parse_budget
+from ..policies import Policy, make_policy, parse_budget, recent_if_taken
+from ..policies.rows import Rows
 
 # Instructions that ask for long answers, written for this project; a base model gets each as plain text.
 BUILTIN = (
@@ -60,40 +62,53 @@ def policy_for(spec, budget, length: int, recent) -> Policy:
 
 
 @torch.inference_mode()
-def teacher_forced(decoder: Decoder, policy: Policy, ids: list[list[int]], ref: torch.Tensor, prefill: str,
-                   chunk: int = 64):
-    """Yields (start, logits (B, k, V)) of the reference tokens ref[:, start:start+k] read under `policy`, after
-    the prompts (left-padded rows): the prompts in `prefill` mode, then the reference in stream mode (the decode
-    step's rule, a chunk at a time: equal by the cache's parity tests)."""
+def teacher_forced(decoder: Decoder, policy, ids: list[list[int]], ref: torch.Tensor, prefill: str, chunk: int = 64):
+    """Yields (start, hidden (B, k, d)) for the reference tokens ref[:, start:start+k] read under `policy` (or
+    `Rows`), after the prompts (left-padded rows): the prompts in `prefill` mode, then the reference in stream
+    mode (the decode step's rule, a chunk at a time: equal by the cache's parity tests). The last layer's output,
+    not the logits: the caller takes the head a row at a time (at a 262k vocabulary (B, k, V) is GBs)."""
+    model = decoder.model
     idx, pos = left_pad(ids, device=ref.device)
     N = ref.shape[1]
     cache = decoder.new_cache(policy, len(ids), idx.shape[1] + N)
-    yield 0, decoder.prefill(cache, idx, pos, prefill)[:, None]  # (B, 1, V): predicts ref[:, 0]
+    if prefill == "dense" or not cache.evicts:
+        yield 0, model.hidden(idx, pos, cache, "dense")[:, -1:]  # (B, 1, d): predicts ref[:, 0]
+    else:
+        for s in range(0, idx.shape[1], decoder.chunk):
+            h = model.hidden(idx[:, s:s + decoder.chunk], pos[:, s:s + decoder.chunk], cache, "stream")
+        yield 0, h[:, -1:]
     start = pos[:, -1:] + 1  # (B, 1): each row's next position
     for s in range(0, N - 1, chunk):
         e = min(N - 1, s + chunk)
         positions = start + torch.arange(s, e, device=ref.device)[None]
-        yield s + 1, decoder.model(ref[:, s:e], positions, cache, mode="stream")  # predicts ref[:, s+1..e]
+        yield s + 1, model.hidden(ref[:, s:e], positions, cache, "stream")  # predicts ref[:, s+1..e]
 
 
-def fidelity(decoder: Decoder, full: Policy, policy: Policy, ids: list[list[int]], ref: torch.Tensor, prefill: str):
-    """Per row: the mean NLL of the reference under `policy`, and the mean KL(full || policy) along it (full read
-    the same way, chunk by chunk beside it: no (B, N, V) tensor is held)."""
-    nll = torch.zeros(len(ids), dtype=torch.float64)
-    kl = torch.zeros(len(ids), dtype=torch.float64)
-    for (s, mine), (_, theirs) in zip(teacher_forced(decoder, policy, ids, ref, prefill),
+def fidelity(decoder: Decoder, full: Policy, policy, ids: list[list[int]], ref: torch.Tensor, prefill: str,
+             copies: int = 1):
+    """Per row of `policy` (`copies` x the prompts, copy-major: a batch of points): the mean NLL of its prompt's
+    reference under the policy, and the mean KL(full || policy) along it (full reads each prompt once, chunk by
+    chunk beside it: no (B, N, V) tensor is held)."""
+    P, N, head = len(ids), ref.shape[1], decoder.model.head
+    nll = torch.zeros(P * copies, dtype=torch.float64)
+    kl = torch.zeros(P * copies, dtype=torch.float64)
+    for (s, mine), (_, theirs) in zip(teacher_forced(decoder, policy, ids * copies, ref.repeat(copies, 1), prefill),
                                       teacher_forced(decoder, full, ids, ref, prefill)):
-        lp, lq = mine.log_softmax(-1), theirs.log_softmax(-1)  # (B, k, V)
-        target = ref[:, s:s + lp.shape[1]]
-        nll -= lp.gather(2, target[..., None])[..., 0].double().sum(1).cpu()
-        kl += (lq.exp() * (lq - lp)).sum((1, 2)).double().cpu()
-    return (nll / ref.shape[1]).tolist(), (kl / ref.shape[1]).tolist()
+        # every row's head on its own, full's as the policy's: under full itself both are the same numbers
+        lq = [head(theirs[r]).log_softmax(-1) for r in range(P)]  # (k, V) each
+        target = ref[:, s:s + theirs.shape[1]]  # (P, k)
+        for row in range(P * copies):
+            r = row % P
+            lp = head(mine[row]).log_softmax(-1)  # (k, V)
+            nll[row] -= lp.gather(1, target[r, :, None]).double().sum().cpu()
+            kl[row] += (lq[r].exp() * (lq[r] - lp)).sum().double().cpu()
+    return (nll / N).tolist(), (kl / N).tolist()
 
 
 @torch.inference_mode()
-def greedy(decoder: Decoder, policy: Policy, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
-    """(B, N): each prompt's greedy continuation under `policy` (rows of one batch share it; they never interact).
-    Under `full` it is the reference; under the policy evaluated, its free-running text."""
+def greedy(decoder: Decoder, policy, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
+    """(B, N): each prompt's greedy continuation under `policy` (rows of one batch share it; they never interact;
+    `Rows` gives each row its own). Under `full` it is the reference; under a policy evaluated, its own text."""
     return torch.stack(list(decoder.generate(ids, policy, new_tokens, prefill)), 1)
 
 
@@ -106,38 +121,59 @@ def divergence(mine: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
 
 def evaluate(lm: LM, prompts: Prompts, new_tokens: int, spec: str, budget, recent=None, prefill: str = "dense",
              chat: bool | None = None, kv_bits: int | None = None, refs: dict | None = None) -> dict:
-    """One JSON row: `spec` at `budget` over every prompt (per-prompt numbers in `prompts`, means at the top).
-    refs: the references already made for these prompts (filled on first use), so a sweep makes them once."""
+    """One JSON row: `spec` at `budget` over every prompt (per-prompt numbers in `prompts`, means at the top)."""
+    point = [(spec, budget)]
+    return next(evaluate_many(lm, prompts, new_tokens, point, recent, prefill, chat, kv_bits, refs=refs))[1]
+
+
+def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple], recent=None, prefill: str = "dense",
+                  chat: bool | None = None, kv_bits: int | None = None, max_batch: int = 32,
+                  refs: dict | None = None) -> Iterator[tuple[int, dict]]:
+    """(index, row) for every (spec, budget) point as it finishes. A point is one row per prompt; the points run
+    up to `max_batch` rows at a time as the rows of one batch (`policies/rows.py`: each row its own policy and
+    capacity), both free-running and teacher-forced, so the model's weights are read once per decode step for
+    all of them. refs: the reference made for these prompts (filled on first use), so a sweep makes it once."""
     ids = encode_prompts(lm, prompts.texts, chat)
     check_room(lm, ids, new_tokens)
     decoder = Decoder(lm.model, kv_bits=kv_bits)
     plain = Decoder(lm.model)  # the reference is the full cache as the model computes it
     full = make_policy("full", None, 1)
-    if refs is not None and "tokens" in refs:
-        ref = refs["tokens"]
-    else:
-        ref = greedy(plain, full, ids, new_tokens, prefill)
-        if refs is not None:
-            refs["tokens"] = ref
-    # Rows of one batch share C; a fraction is each prompt's own, so rows with equal C run together.
-    policies = [policy_for(spec, budget, len(i) + new_tokens, recent) for i in ids]
-    mine = torch.empty_like(ref)
-    nll, kl = [0.0] * len(ids), [0.0] * len(ids)
-    for policy in dict.fromkeys(policies):
-        rows = [r for r, p in enumerate(policies) if p == policy]
-        mine[rows] = greedy(decoder, policy, [ids[r] for r in rows], new_tokens, prefill)
-        for r, n, k in zip(rows, *fidelity(decoder, full, policy, [ids[r] for r in rows], ref[rows], prefill)):
-            nll[r], kl[r] = n, k
-    per_prompt = []
-    for r, (row_ids, policy) in enumerate(zip(ids, policies)):
-        agree, share = divergence(mine[r], ref[r])
-        length = len(row_ids) + new_tokens
-        per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or length, length),
-                           "nll": nll[r], "kl_full": kl[r], "agree_tokens": agree, "agree_share": share,
-                           "kv_bytes": decoder.cache_bytes(policy, 1, length),
-                           "kv_bytes_full": plain.cache_bytes(full, 1, length)})
+    refs = {} if refs is None else refs
+    if "tokens" not in refs:
+        refs["tokens"] = greedy(plain, full, ids, new_tokens, prefill)
+    ref = refs["tokens"]
+    made = [[policy_for(spec, budget, len(i) + new_tokens, recent_if_taken(spec, recent)) for i in ids]
+            for spec, budget in points]
+    P, step = len(ids), max(1, max_batch // len(ids))
+    # Points that keep every token (full) in batches of their own: a row that keeps everything widens every row's
+    # slots (the widest row's C) and so slows the per-token loop of the batch it is in.
+    keeps_all = [j for j in range(len(points)) if all(not evicts(p, len(i) + new_tokens) for p, i in
+                                                     zip(made[j], ids))]
+    rest = [j for j in range(len(points)) if j not in keeps_all]
+    for batch in [group[at:at + step] for group in (keeps_all, rest) for at in range(0, len(group), step)]:
+        rows = Rows([(policy, 1) for j in batch for policy in made[j]])
+        mine = greedy(decoder, rows, ids * len(batch), new_tokens, prefill)  # (len(batch) * P, N)
+        nll, kl = fidelity(decoder, full, rows, ids, ref, prefill, copies=len(batch))
+        for c, j in enumerate(batch):
+            per_prompt = []
+            for r, (row_ids, policy) in enumerate(zip(ids, made[j])):
+                agree, share = divergence(mine[c * P + r], ref[r])
+                length = len(row_ids) + new_tokens
+                per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or length, length),
+                                   "nll": nll[c * P + r], "kl_full": kl[c * P + r], "agree_tokens": agree,
+                                   "agree_share": share, "kv_bytes": decoder.cache_bytes(policy, 1, length),
+                                   "kv_bytes_full": plain.cache_bytes(full, 1, length)})
+            yield j, _row(made[j][0], points[j][1], prompts, new_tokens, prefill, decoder.stored_bits, per_prompt)
+
+
+def evicts(policy: Policy, length: int) -> bool:
+    """Whether the policy ever evicts from a sequence of `length` tokens."""
+    return (policy.capacity or length) < length
+
+
+def _row(policy: Policy, budget, prompts: Prompts, new_tokens: int, prefill: str, bits: int, per_prompt) -> dict:
     mean = {k: sum(p[k] for p in per_prompt) / len(per_prompt) for k in
             ("nll", "kl_full", "agree_tokens", "agree_share", "kv_bytes", "kv_bytes_full")}
-    return {"policy": policies[0].name, "params": policies[0].params(), "budget": budget, "prompt_set": prompts.name,
-            "prompts": len(ids), "new_tokens": new_tokens, "prefill": prefill, "kv_bits": decoder.stored_bits,
+    return {"policy": policy.name, "params": policy.params(), "budget": budget, "prompt_set": prompts.name,
+            "prompts": len(per_prompt), "new_tokens": new_tokens, "prefill": prefill, "kv_bits": bits,
             **mean, "ppl": float(torch.tensor(mean["nll"]).exp()), "per_prompt": per_prompt}

@@ -13,11 +13,13 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
+from ..cache import KVCache
 from ..errors import UserError
 from ..generate import Decoder, left_pad
 from ..model import Transformer
 from ..parallel import kv_bytes
 from ..policies import H2O, Policy
+from ..policies.rows import Rows
 from .hindsight import hindsight_logits
 
 
@@ -53,21 +55,77 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
     # Each chunk is scored as it comes and dropped: at a 262k vocabulary (Gemma) a (T, V) tensor is GBs.
     sums = torch.zeros(3, dtype=torch.float64)  # NLL, top-1 agreements with full, KL(full || policy)
     for s, logits in chunks:
-        for b in range(s, min(s + logits.shape[1], T - 1), 256):  # position i predicts token i + 1
-            lp = logits[0, b - s:min(b - s + 256, T - 1 - s)].log_softmax(-1)  # (n, V)
-            n = lp.shape[0]
-            sums[0] -= lp.gather(1, x[0, b + 1:b + 1 + n, None]).double().sum()
-            if compare_full:
-                ref = reference[b:b + n]
-                sums[1] += (lp.argmax(-1) == ref.argmax(-1)).sum()
-                sums[2] += (ref.exp() * (ref - lp)).sum().double()
-    seconds = time.perf_counter() - t0
-    nll, agree, kl = (sums / (T - 1)).tolist()
-    out = {"policy": policy.name, "params": _params(policy), "capacity": min(policy.capacity or T, T),
-           "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3),
-           "kv_bits": decoder.stored_bits, **kv_bytes(model, slots)}
+        for b, e in blocks(s, logits.shape[1], T):
+            tally(sums, logits[0, b - s:e - s], x[0, b + 1:e + 1], reference[b:e] if compare_full else None)
+    out = result(model, policy, sums, T, time.perf_counter() - t0, decoder.stored_bits, slots, compare_full)
     if compare_full:
-        out.update(top1_agree_full=agree, kl_full=kl, seconds_full=round(full_seconds, 3))
+        out.update(seconds_full=round(full_seconds, 3))
+    return out
+
+
+@torch.inference_mode()
+def score_many(model: Transformer, ids: list[int], policies: list[Policy], reference: torch.Tensor, chunk: int = 256,
+               max_batch: int = 32, progress: bool = True, kv_bits: int | None = None) -> Iterator[tuple[int, dict]]:
+    """`score_text(..., compare_full=True)` for every policy, as (index in `policies`, result) when it finishes.
+    The policies that evict run up to `max_batch` at a time as the rows of one batch (`policies/rows.py`): the
+    text in every row, each row with its own policy and capacities, one pass for all; each row's numbers are
+    its policy's run alone (to the rounding of batched matmuls; tested to 1e-5 nats). Those that never evict
+    at this length (full's pass) or read ahead (hindsight: a pass of its own) run alone. `reference`: full's
+    log-probs (`full_logprobs`). A result's `seconds` is its batch's time over its rows (`batch`)."""
+    device = next(model.parameters()).device
+    T = len(ids)
+    decoder = Decoder(model, chunk=chunk, kv_bits=kv_bits)
+    alone = [i for i, p in enumerate(policies) if p.lookahead or not KVCache(model.cfg, p, 1, T, device="meta").evicts]
+    for i in alone:
+        yield i, score_text(model, ids, policies[i], chunk, True, reference=reference, progress=progress,
+                            kv_bits=kv_bits)
+    rest = [i for i in range(len(policies)) if i not in alone]
+    x = torch.tensor([ids], device=device)
+    for at in range(0, len(rest), max_batch):
+        batch = rest[at:at + max_batch]
+        t0, n = time.perf_counter(), len(batch)
+        cache = decoder.new_cache(Rows([(policies[i], 1) for i in batch]), n, T)
+        sums = torch.zeros(n, 3, dtype=torch.float64)  # per row: NLL, top-1 agreements, KL(full || policy)
+        bar = tqdm(range(0, T, chunk), desc=f"eval {n} policies", unit="chunk", disable=None if progress else True,
+                   leave=False)
+        for s in bar:
+            idx = x[:, s:s + chunk].expand(n, -1)  # (n, k): the same tokens in every row
+            h = model.hidden(idx, torch.arange(s, s + idx.shape[1], device=device).expand(n, -1), cache, "stream")
+            for b, e in blocks(s, h.shape[1], T):  # the head one row and block at a time: never (n, k, V)
+                for r in range(n):
+                    tally(sums[r], model.head(h[r, b - s:e - s]), x[0, b + 1:e + 1], reference[b:e])
+        seconds = (time.perf_counter() - t0) / n
+        for r, i in enumerate(batch):
+            slots = decoder.cache_bytes(policies[i], 1, T)
+            yield i, dict(result(model, policies[i], sums[r], T, seconds, decoder.stored_bits, slots), batch=n)
+
+
+def blocks(start: int, length: int, T: int) -> Iterator[tuple[int, int]]:
+    """[b, e) blocks of at most 256 scored positions of the chunk at `start` (position i predicts token i + 1,
+    so position T - 1 is never scored)."""
+    for b in range(start, min(start + length, T - 1), 256):
+        yield b, min(b + 256, start + length, T - 1)
+
+
+def tally(sums: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None) -> None:
+    """Adds one block's NLL, top-1 agreements with full and KL(full || policy) to `sums` (3,) float64.
+    logits: (n, V) fp32; targets: (n,) the next tokens; ref: (n, V) full's log-probs, or None."""
+    lp = logits.log_softmax(-1)
+    sums[0] -= lp.gather(1, targets[:, None]).double().sum()
+    if ref is not None:
+        sums[1] += (lp.argmax(-1) == ref.argmax(-1)).sum()
+        sums[2] += (ref.exp() * (ref - lp)).sum().double()
+
+
+def result(model, policy: Policy, sums: torch.Tensor, T: int, seconds: float, bits: int, slots: int,
+           compare_full: bool = True) -> dict:
+    """One policy's numbers from its sums over the T - 1 scored positions."""
+    nll, agree, kl = (sums / (T - 1)).tolist()
+    out = {"policy": policy.name, "params": policy.params(), "capacity": min(policy.capacity or T, T),
+           "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3),
+           "kv_bits": bits, **kv_bytes(model, slots)}
+    if compare_full:
+        out.update(top1_agree_full=agree, kl_full=kl)
     return out
 
 
@@ -93,6 +151,3 @@ def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> I
     for s in range(0, T, chunk):
         yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")
 
-
-def _params(policy: Policy) -> dict:
-    return policy.params()

@@ -79,12 +79,14 @@ def finished(f, out: Path, kind: str, settings: dict) -> dict[tuple, list[dict]]
     return done
 
 
-def run_sweep(kind: str, todo: list[tuple], run_point: Callable[[str, str | None], list[dict]],
+def run_sweep(kind: str, todo: list[tuple], run_points: Callable[[list[tuple]], Iterator[tuple[tuple, list[dict]]]],
               out: Path | None, settings: dict, progress: bool = True) -> Iterator[tuple[tuple, list[dict]]]:
     """(point, rows) for every point, those of the same settings already in `out` first and not run again.
-    `settings`: everything besides the point that changes a number (model, text, tokens, kv_bits, ...); each
-    row written records it, and only rows with equal settings are reused. One writer at a time: a second
-    sweep on the same file is refused while the first runs (an advisory lock on the file)."""
+    run_points(points) runs the others and yields (point, rows) as each finishes, in any order (a batched pass
+    finishes several at once; `one_by_one` runs them in turn). `settings`: everything besides the point that
+    changes a number (model, text, tokens, kv_bits, ...); each row written records it, and only rows with equal
+    settings are reused. One writer at a time: a second sweep on the same file is refused while the first runs
+    (an advisory lock on the file)."""
     from tqdm import tqdm
     f, existed = None, out is not None and out.exists()
     if out is not None:
@@ -103,21 +105,27 @@ def run_sweep(kind: str, todo: list[tuple], run_point: Callable[[str, str | None
         for point in todo:
             if point in done:
                 yield point, done[point]
-        bar = tqdm([p for p in todo if p not in done], desc=f"sweep {kind}", unit="point",
-                   disable=not progress or None)
-        for point in bar:
-            bar.set_postfix_str(f"{point[0]} {point[1] or ''}")
-            rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in run_point(*point)]
-            if f is not None:  # a whole point per append: never half a point
-                f.write("".join(json.dumps(r) + "\n" for r in rows))
-                f.flush()
-            yield point, rows
+        left = [p for p in todo if p not in done]
+        with tqdm(total=len(left), desc=f"sweep {kind}", unit="point", disable=not progress or None) as bar:
+            for point, rows in run_points(left) if left else ():
+                rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in rows]
+                if f is not None:  # a whole point per append: never half a point
+                    f.write("".join(json.dumps(r) + "\n" for r in rows))
+                    f.flush()
+                bar.set_postfix_str(f"{point[0]} {point[1] or ''}")
+                bar.update()
+                yield point, rows
     finally:
         if f is not None:
             empty = f.tell() == 0
             f.close()  # and the lock with it
             if empty and not existed:  # nothing was written: leave no empty file behind
                 out.unlink(missing_ok=True)
+
+
+def one_by_one(run_point: Callable[[str, str | None], list[dict]]):
+    """`run_points` for a sweep whose points run one at a time: run_point(spec, budget) -> rows."""
+    return lambda points: ((point, run_point(*point)) for point in points)
 
 
 def summary(kind: str, results: dict[tuple, list[dict]]) -> list[dict]:

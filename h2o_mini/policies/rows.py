@@ -1,0 +1,81 @@
+"""`Rows`: several policies in one batch, each over its own rows (a sweep's configurations as one pass).
+
+A sweep evaluates the same text under many (policy, budget) configurations. As rows of one batch they share
+every step of the model: one matmul per weight per chunk for all rows, one set of the eviction loop's
+element-wise ops (argmin, masks, softmax) per token for all rows; only each policy's own hooks run once per
+policy. `Rows` is what makes that possible without touching any policy: it stands where the cache expects one
+policy and answers every hook by handing each policy its own rows (a slice of the batch dimension) and
+stacking the answers. (Each row is still its own arithmetic: on a CPU, where a chunk's matmuls are already
+compute-bound, one pass of n rows costs about what n passes do; see docs/benchmarks.md.)
+
+Why a row's result cannot depend on the other rows: every hook of the protocol is a function of one row's
+tensors (scores, positions, keys, values and attention of that row only; `docs/spec.md`), the cache's
+mechanics are per row (the argmin, the softmax and the compaction run along the slot axis), and each row
+has its own capacity in every layer (slots past it are marked absent, `cache.ABSENT`, and never filled).
+What rows share is only the batched arithmetic of the linear layers, which computes each row on its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Policy, keep_scores
+
+
+class Rows:
+    """`parts`: (policy, number of rows) in batch order. Duck-types `Policy` for `cache.py`."""
+
+    def __init__(self, parts: list[tuple[Policy, int]]):
+        if not parts or any(n < 1 for _, n in parts):
+            raise ValueError("Rows needs at least one policy, each over at least one row")
+        self.parts = [(policy, n) for policy, n in parts]
+        self.bounds, start = [], 0
+        for _, n in self.parts:
+            self.bounds.append((start, start + n))
+            start += n
+        self.batch, self.sizes = start, [n for _, n in self.parts]
+        self.policies = policies = [p for p, _ in self.parts]
+        self.name = "+".join(dict.fromkeys(p.name for p in policies))
+        for flag in ("needs_scores", "needs_keys", "needs_values", "across_slots", "lookahead"):
+            setattr(self, flag, any(getattr(p, flag) for p in policies))
+
+    def __repr__(self) -> str:
+        return f"Rows({', '.join(f'{p} x{n}' for p, n in self.parts)})"
+
+    def row_capacities(self, layer: int, n_layer: int, length: int) -> list[int]:
+        """Slots each row holds in `layer` (its policy's `layer_capacity`), in batch order."""
+        return [c for p, n in self.parts for c in [p.layer_capacity(layer, n_layer, length)] * n]
+
+    @property
+    def capacity(self) -> int | None:
+        caps = [p.capacity for p in self.policies]
+        return None if None in caps else max(caps)
+
+    def layer_capacity(self, layer: int, n_layer: int, length: int) -> int:
+        return max(self.row_capacities(layer, n_layer, length))
+
+    def for_layer(self, layer: int, n_layer: int) -> "Rows":
+        return Rows([(p.for_layer(layer, n_layer), n) for p, n in self.parts])
+
+    def _split(self, *tensors):
+        """(policy, its rows of every tensor) per part; a tensor without the batch's rows (broadcast) goes whole."""
+        pieces = [x.split(self.sizes) if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == self.batch
+                  else [x] * len(self.parts) for x in tensors]
+        return zip(self.policies, zip(*pieces))
+
+    def keep_score(self, score, pos, t, keys=None, values=None) -> torch.Tensor:
+        return torch.cat([keep_scores(policy, s, p, tt, k, v)
+                          for policy, (s, p, tt, k, v) in self._split(score, pos, t, keys, values)])
+
+    def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.cat([policy.insert_score(k) for policy, (k,) in self._split(keys)])
+
+    def accumulate(self, score, probs, attended) -> torch.Tensor:
+        return torch.cat([policy.accumulate(s, p, a) if policy.needs_scores else s
+                          for policy, (s, p, a) in self._split(score, probs, attended)])
+
+    def prompt_windows(self) -> list[int | None]:
+        """Dense prefill: each row's `prompt_window` (the cache scores each row's own last queries)."""
+        return [p.prompt_window for p, n in self.parts for _ in range(n)]
+
+    def prompt_score(self, score: torch.Tensor) -> torch.Tensor:
+        return torch.cat([policy.prompt_score(s) for policy, (s,) in self._split(score)])

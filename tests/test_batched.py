@@ -1,0 +1,133 @@
+"""Many policies as the rows of one pass (issue 26): a sweep's configurations share the model's pass, each row
+with its own policy and capacity (`policies/rows.py`), and every row equals its policy run alone."""
+import json
+import math
+
+import pytest
+import torch
+
+from h2o_mini import api
+from h2o_mini.cache import ABSENT, KVCache
+from h2o_mini.evals.ppl import full_logprobs, score_many, score_text
+from h2o_mini.policies import LOOKAHEAD, REGISTRY, H2O, Local, make_policy
+from h2o_mini.policies.rows import Rows
+from h2o_mini.record import record, record_many
+
+from .conftest import FAMILIES, GPL3, text_bytes
+from .test_workbench import VNORM
+
+T = 48
+
+
+def _configs(length: int):
+    """Every registered policy at a fraction and a token count (rows narrower and wider than each other)."""
+    return [make_policy(name, budget, length) for name in REGISTRY
+            for budget in ([None] if not REGISTRY[name].takes_budget else [0.2, 7])]
+
+
+def _alone(model, ids, policy, plan):
+    cache = KVCache(model.cfg, policy, 1, len(ids))
+    x = torch.tensor([ids])
+    return torch.cat([model(x[:, s:e], torch.arange(s, e)[None], cache, mode=m) for s, e, m in plan], 1)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prefill", ["stream", "dense"])
+def test_every_row_of_a_batch_of_policies_equals_its_policy_alone(tiny_model, family, prefill):
+    """30 tokens streamed in chunks of 9 (or as one dense prompt: each row keeps its own C of it, scored by its
+    own prompt window), then decoded token by token: each row's logits against the same policy run alone
+    (itself checked against the naive reference by test_eviction_parity), 1e-4 as there; a different eviction
+    moves them by > 1e-2."""
+    model, ids = tiny_model(family), text_bytes(T, offset=3000)
+    policies = _configs(T)
+    plan = [(s, min(s + 9, 30), "stream") for s in range(0, 30, 9)] if prefill == "stream" else [(0, 30, "dense")]
+    plan += [(t, t + 1, "step") for t in range(30, T)]
+    cache = KVCache(model.cfg, Rows([(p, 1) for p in policies]), len(policies), T)
+    x, pos = torch.tensor([ids] * len(policies)), torch.arange(T)[None].expand(len(policies), T)
+    with torch.inference_mode():
+        got = torch.cat([model(x[:, s:e], pos[:, s:e], cache, mode=m) for s, e, m in plan], 1)
+        for row, policy in enumerate(policies):
+            assert (got[row] - _alone(model, ids, policy, plan)).abs().max() <= 1e-4, policy
+    for i, layer in enumerate(cache.layers):  # each row holds its own capacity: the rest of its slots are absent
+        for row, policy in enumerate(policies):
+            room = min(policy.layer_capacity(i, model.cfg.n_layer, T), model.cfg.window(i) or T)
+            assert int((layer.pos[row] != ABSENT).sum(-1).max()) == room
+
+
+@pytest.mark.parametrize("family", ["llama_gqa_tied", "gemma3_hybrid"])
+def test_a_batched_sweep_gives_every_point_its_solo_numbers(tiny_model, family, tmp_path):
+    """score_many (eval sweep ppl's pass) against score_text one policy at a time: NLL, KL to full and top-1
+    agreement within 1e-5, for every registered policy, hindsight and a plugin, in batches of 7 rows."""
+    (tmp_path / "vnorm.py").write_text(VNORM)
+    model, ids = tiny_model(family), text_bytes(120, offset=500)
+    n = len(ids)
+    policies = _configs(n) + [make_policy(name, 0.2, n) for name in LOOKAHEAD]
+    policies.append(make_policy(f"{tmp_path / 'vnorm.py'}:VNorm:power=2", 0.25, n))
+    reference = full_logprobs(model, ids)
+    seen = set()
+    for i, got in score_many(model, ids, policies, reference, chunk=32, max_batch=7, progress=False):
+        want = score_text(model, ids, policies[i], chunk=32, compare_full=True, reference=reference, progress=False)
+        for key in ("nll", "kl_full", "top1_agree_full"):
+            assert abs(got[key] - want[key]) <= 1e-5, (policies[i], key, got[key], want[key])
+        assert got["kv_bytes"] == want["kv_bytes"] and got["capacity"] == want["capacity"]
+        seen.add(i)
+    assert seen == set(range(len(policies)))
+
+
+def test_a_row_s_result_does_not_depend_on_its_neighbours(tiny_model):
+    """The same policy beside different others, in different places of the batch: bit for bit the same NLL
+    would be too strict (a batched matmul may round a row differently), so 1e-6."""
+    model, ids = tiny_model("qwen2_hybrid"), text_bytes(100, offset=1200)
+    reference = full_logprobs(model, ids)
+    target = make_policy("tova", 0.2, len(ids))
+    mixes = [[target], [Local(recent=5), target, H2O(heavy=30, recent=9)], [make_policy("rkv", 40, 100)] * 3 + [target]]
+    nll = [next(r["nll"] for i, r in score_many(model, ids, mix, reference, progress=False) if mix[i] is target)
+           for mix in mixes]
+    assert max(nll) - min(nll) <= 1e-6 and math.isfinite(nll[0])
+
+
+def test_record_many_records_each_policy_as_alone(tiny_model):
+    """explore's and plot kept's recorder: the step at which every position left every layer and head, and the
+    scores, the same in one pass of many policies as in a pass of each."""
+    model, ids = tiny_model("gemma3_hybrid"), text_bytes(60, offset=700)
+    policies = _configs(60)
+    together = record_many(model, ids, policies, snapshots=3, max_batch=11)
+    for policy, rec in zip(policies, together):
+        alone = record(model, ids, policy, snapshots=3)
+        assert torch.equal(rec.evicted_at, alone.evicted_at), policy
+        assert abs(rec.nll - alone.nll) <= 1e-5 and rec.capacities == alone.capacities
+        assert rec.kv_bytes == alone.kv_bytes == KVCache(model.cfg, policy, 1, 60, device="meta").nbytes
+        for mine, theirs in zip(rec.scores, alone.scores):  # sums of up to 60 probabilities each rounded on its own
+            for a, b in zip(mine, theirs):
+                assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_sweep_ppl_batches_split_by_max_batch_give_the_same_rows(byte_folder, tmp_path, capsys, monkeypatch):
+    """The CLI: one pass of every point, or passes of two rows: the same numbers; --out resumes either way."""
+    from .test_bad_input import run_cli
+    folder = byte_folder("llama_gqa_tied")
+    args = ["eval", "sweep", "ppl", "--model", str(folder), "--text", str(GPL3), "--tokens", "80", "--policy", "h2o",
+            "--policy", "tova", "--policy", "snapkv", "--budget", "0.2", "--budget", "0.4", "--json"]
+
+    def sweep(*more):
+        code, out, err = run_cli(capsys, monkeypatch, *args, *more)
+        assert code == 0, err
+        return {(r["policy"], r["budget"]): r for r in map(json.loads, out.splitlines())}
+
+    one, pairs = sweep(), sweep("--max-batch", "2", "--out", str(tmp_path / "s.jsonl"))
+    assert one.keys() == pairs.keys() and len(one) == 7
+    assert all(abs(one[k]["nll"] - pairs[k]["nll"]) <= 1e-6 for k in one)
+    assert [one[k]["batch"] for k in one if k[0] != "full"] == [6] * 6
+    assert sorted(r.get("batch") for r in pairs.values() if r["policy"] != "full") == [2] * 6
+    again = sweep("--max-batch", "2", "--out", str(tmp_path / "s.jsonl"))  # everything from the file
+    assert again == pairs and len((tmp_path / "s.jsonl").read_text().splitlines()) == 7
+
+
+def test_perplexities_api_runs_configs_in_one_pass(byte_folder):
+    lm = api.load(byte_folder("llama_gqa_tied"))
+    text = GPL3.read_text()
+    got = dict(api.perplexities(lm, text, 64, [("h2o", 0.25), ("local", 16), (H2O(heavy=8, recent=8), None)]))
+    assert list(got) == [("h2o", 0.25), ("local", 16), (H2O(heavy=8, recent=8), None)]
+    for (policy, budget), result in got.items():
+        alone = api.perplexity(lm, text, 64, policy, budget, compare_full=True)
+        assert abs(result["nll"] - alone["nll"]) <= 1e-5 and result["capacity"] == 16

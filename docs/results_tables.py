@@ -161,34 +161,51 @@ def hindsight():
 
 
 def generate():
-    """eval generate on both models (docs/run_generate.sh): fidelity, divergence and bytes per policy."""
-    for name, title in (("generate_default_512.jsonl", "SmolLM2-135M, N = 512"),
-                        ("generate_gemma3-270m_256.jsonl", "Gemma 3 270M, N = 256")):
-        board = rows(name)
-        if not board:
-            continue
-        print(f"\n### {title}, the built-in prompts (means over {board[0]['prompts']})\n")
-        print("| policy | budget | NLL of full's text | KL(full \\|\\| policy) | tokens before divergence | equal tokens "
-              "| KV MiB (full's) |")
-        print("|---|---|---|---|---|---|---|")
-        for r in sorted(board, key=lambda r: (r["policy"] != "full", -r["agree_tokens"])):
-            print(f"| {r['policy']} | {r['budget'] or 'all'} | {r['nll']:.3f} | {r['kl_full']:.3f} | "
-                  f"{r['agree_tokens']:.1f} | {r['agree_share']:.1%} | {r['kv_bytes'] / 2**20:.1f} "
-                  f"({r['kv_bytes_full'] / 2**20:.1f}) |")
+    """eval generate on both models (docs/run_generate.sh): per policy and budget, the tokens written before the
+    first divergence from full's text and the NLL of full's text read back; then each ranking beside the
+    perplexity leaderboard's (section 9's sweep of the same model on GPL-3, 4096 tokens)."""
+    for model, label in (("default", "SmolLM2-135M"), ("gemma3-270m", "Gemma 3 270M")):
+        for n in (512, 1024):
+            board = rows(f"generate_{model}_{n}.jsonl")
+            if not board:
+                continue
+            at = {(r["policy"], r["budget"]): r for r in board}
+            budgets = [b for b in ("64", "128", "256", "0.1", "0.2") if any(k[1] == b for k in at)]
+            full = at[("full", None)]
+            print(f"\n### {label}, N = {n}, the built-in prompts (means over {full['prompts']}): tokens before "
+                  f"divergence / NLL of full's text (full: {n} / {full['nll']:.3f})\n")
+            print("| policy | " + " | ".join(budgets) + " |")
+            print("|---|" + "---|" * len(budgets))
+            policies = sorted({p for p, _ in at if p != "full"},
+                              key=lambda p: -sum(at[(p, b)]["agree_tokens"] for b in budgets if (p, b) in at))
+            for p in policies:
+                cells = [f"{at[(p, b)]['agree_tokens']:.0f} / {at[(p, b)]['nll']:.3f}" if (p, b) in at else ""
+                         for b in budgets]
+                print(f"| {p} | " + " | ".join(cells) + " |")
+            mib = {b: at[(policies[0], b)]["kv_bytes"] / 2**20 for b in budgets if (policies[0], b) in at}
+            print("\nKV MiB per budget: " + ", ".join(f"{b}: {v:.1f}" for b, v in mib.items())
+                  + f" (full: {full['kv_bytes_full'] / 2**20:.1f})")
+            ppl = {(r["policy"], r["budget"]): r["ppl"] for r in rows(f"models_{model}_GPL-3.jsonl")}
+            for b in ("0.1", "0.2"):
+                common = [p for p in policies if (p, b) in at and (p, b) in ppl]
+                if len(common) < 3:
+                    continue
+                by = {"tokens before divergence": lambda p: -at[(p, b)]["agree_tokens"],
+                      "NLL of full's text": lambda p: at[(p, b)]["nll"], "perplexity (section 9)": lambda p: ppl[(p, b)]}
+                ranks = {k: {p: i for i, p in enumerate(sorted(common, key=f))} for k, f in by.items()}
+                rho = lambda x, y: 1 - 6 * sum((ranks[x][p] - ranks[y][p]) ** 2 for p in common) / (  # noqa: E731
+                    len(common) * (len(common) ** 2 - 1))
+                names = list(by)
+                print(f"\nAt {b}, Spearman's rho over {len(common)} policies: divergence vs perplexity "
+                      f"{rho(names[0], names[2]):+.2f}, NLL of full's text vs perplexity {rho(names[1], names[2]):+.2f}, "
+                      f"divergence vs NLL {rho(names[0], names[1]):+.2f}")
 
 
-if "generate" in sys.argv:
-    generate()
-if "hindsight" in sys.argv:
-    hindsight()
-if "models" in sys.argv:
-    models()
-    sys.exit()
-if "leaderboard" in sys.argv:
-    leaderboard()
-    sys.exit()
-if "workbench" in sys.argv:
-    workbench()
+MODES = {"generate": generate, "hindsight": hindsight, "models": models, "leaderboard": leaderboard,
+         "workbench": workbench}
+for mode in sys.argv[2:]:  # one of these prints its tables only; without one, the tables of run_results.sh
+    MODES[mode]()
+if sys.argv[2:]:
     sys.exit()
 
 for text in ("GPL-3", "GFDL-1.3"):

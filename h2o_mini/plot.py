@@ -130,6 +130,13 @@ def save_bench_plot(rows: list[dict], out: Path, title: str) -> None:
     save(plt, fig, out)
 
 
+def line_style(plt, i: int) -> dict:
+    """The i-th line's colour and marker: tab20's 20 colours (the dark ones first) and 12 markers, so that none
+    of the registered policies' lines looks like another's."""
+    colours = plt.get_cmap("tab20").colors
+    return {"color": colours[(2 * i) % 20 + (2 * i) // 20 % 2], "marker": "osD^vP*Xh<>p"[i % 12]}
+
+
 def save_generation_plot(rows: list[dict], out: Path, title: str) -> None:
     """eval generate: tokens before the first divergence from full, and the reference's NLL under the policy,
     against budget; one line per policy, full as a dashed line."""
@@ -143,7 +150,7 @@ def save_generation_plot(rows: list[dict], out: Path, title: str) -> None:
                 ax.axhline(next(r[key] for r in rows if r["policy"] == policy), color="black", linestyle="--",
                            label=policy)
             else:
-                ax.plot([b for b, _ in mine], [r[key] for _, r in mine], marker="osD^vP*Xh<>p"[i % 12], label=policy)
+                ax.plot([b for b, _ in mine], [r[key] for _, r in mine], label=policy, **line_style(plt, i))
     for ax, label in ((agree, "tokens equal to full's before the first difference"), (nll, "NLL of full's text (nats)")):
         ax.set_xscale("log")
         plain_log_axis(ax.xaxis, sorted({float(r["budget"]) for r in rows if r["budget"]}))

@@ -104,3 +104,19 @@ def test_a_task_whose_answers_are_known(lm, tmp_path):
     full = run_tasks(lm, ["facts"], str(tmp_path))["results"]["facts"]["acc,none"]
     tiny = run_tasks(lm, ["facts"], str(tmp_path), policy="local", budget="2")["results"]["facts"]["acc,none"]
     assert full == 1.0 and tiny < 1.0
+
+
+def test_eval_generate_on_the_real_model(lm):
+    """eval generate on SmolLM2 through its chat template: full keeps to its own text with nothing lost, and a
+    point batched with the others gives the numbers it gives alone."""
+    from h2o_mini.evals.generation import Prompts, evaluate, evaluate_many
+    prompts = Prompts("two", ["List ten animals, one per line.", "Count from one to thirty in words."])
+    points = [("full", None), ("h2o", "24"), ("tova", "0.3")]
+    refs = {}
+    together = dict(evaluate_many(lm, prompts, 32, points, refs=refs))
+    assert together[0]["agree_tokens"] == 32 and together[0]["kl_full"] == 0.0
+    for j, (spec, budget) in list(enumerate(points))[1:2]:  # one point alone (each costs a pass here)
+        alone = evaluate(lm, prompts, 32, spec, budget, refs=refs)
+        for mine, theirs in zip(together[j]["per_prompt"], alone["per_prompt"]):
+            assert mine["agree_tokens"] == theirs["agree_tokens"] and abs(mine["nll"] - theirs["nll"]) <= 1e-5
+        assert together[j]["kv_bytes"] <= together[0]["kv_bytes"] and 0 < together[j]["nll"] < 5

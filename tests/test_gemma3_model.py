@@ -85,3 +85,18 @@ def test_the_first_conversion_names_the_terms(tmp_path, monkeypatch, gguf_file):
     assert sum("Gemma Terms of Use: https://ai.google.dev/gemma/terms" in line for line in lines) == 1
     lines.clear()
     assert prepared.prepare_model("gemma3-270m", log=lines.append) == folder and lines == []  # once only
+
+
+def test_eval_generate_runs_on_it(lm, tmp_path):
+    """eval generate on the hybrid model (raw text: a base model has no chat template): full's own text, and
+    h2o's cache below full's at prompt + N."""
+    (tmp_path / "p.txt").write_text("Write a long story about a lighthouse keeper.\n")
+    r = subprocess.run([sys.executable, "-m", "h2o_mini", "eval", "generate", "--model", "gemma3-270m",
+                        "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "24", "--policy", "h2o",
+                        "--budget", "16", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    full, h2o = [json.loads(line) for line in r.stdout.splitlines()]
+    assert full["policy"] == "full" and full["agree_tokens"] == 24 and full["kl_full"] == 0.0
+    assert h2o["policy"] == "h2o" and h2o["prompts"] == 1 and h2o["kv_bytes"] < h2o["kv_bytes_full"]
+    assert 0 < h2o["nll"] < 5 and 0 <= h2o["agree_tokens"] <= 24

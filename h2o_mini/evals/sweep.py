@@ -166,21 +166,18 @@ def table(kind: str, results: dict[tuple, list[dict]]) -> str:
 
 
 def save_sweep_plot(kind: str, results: dict[tuple, list[dict]], out, title: str) -> None:
-    from ..plot import figure, plain_log_axis, save
+    from ..plot import figure, line_style, plain_log_axis, save
     name = METRICS[kind][0]
     plt, fig, axes = figure(1, (6.4, 4.6))
     ax = axes[0]
     rows = summary(kind, results)
-    # every registered policy is 15 lines: 20 distinct colours and a marker each, so no two lines look alike
-    colours, markers = plt.get_cmap("tab20").colors, "osD^vP*Xh<>p"
     for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         mine = sorted((float(r["budget"]), r[name]) for r in rows if r["policy"] == policy and r["budget"])
         if not mine:
             value = next(r[name] for r in rows if r["policy"] == policy)
             ax.axhline(value, color="black", linestyle="--", label=f"{policy}")
             continue
-        ax.plot([b for b, _ in mine], [v for _, v in mine], marker=markers[i % len(markers)],
-                color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], label=policy)
+        ax.plot([b for b, _ in mine], [v for _, v in mine], label=policy, **line_style(plt, i))
     ax.set_xscale("log")
     ticks = sorted({float(r["budget"]) for r in rows if r["budget"]})
     plain_log_axis(ax.xaxis, ticks)

@@ -125,18 +125,21 @@ class Decoder:
         p = next(self.model.parameters())
         return KVCache(self.model.cfg, policy, batch, length, dtype=p.dtype, device="meta", kv_bits=self.kv_bits).nbytes
 
-    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str) -> torch.Tensor:
-        """Run the prompts into the cache; returns the last position's logits (B, V).
+    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str,
+                head: bool = True) -> torch.Tensor:
+        """Run the prompts into the cache; returns the last position's logits (B, V), or without `head` its last
+        layer's output (B, d_model) (a caller that takes the head a row at a time).
 
         `stream` feeds the prompt through the per-token eviction rule in chunks; `dense` attends causally
         and keeps C tokens at the end. When no layer ever evicts (C >= the cache's length) both are the same, so
         the cheaper dense path is used."""
         if mode == "dense" or not cache.evicts:
-            return self.model(idx, pos, cache, mode="dense", last_only=True)[:, -1]
-        for s in range(0, idx.shape[1], self.chunk):
-            logits = self.model(idx[:, s:s + self.chunk], pos[:, s:s + self.chunk], cache, mode="stream",
-                                last_only=True)
-        return logits[:, -1]
+            x = self.model.hidden(idx, pos, cache, "dense")
+        else:
+            for s in range(0, idx.shape[1], self.chunk):
+                x = self.model.hidden(idx[:, s:s + self.chunk], pos[:, s:s + self.chunk], cache, "stream")
+        x = x[:, -1:]  # (B, 1, d_model)
+        return (self.model.head(x) if head else x)[:, -1]
 
     def complete(self, prompt: list[int], policy: Policy, max_new_tokens: int, prefill: str = "dense",
                  eos_ids: tuple[int, ...] = ()) -> Iterator[int]:

@@ -27,6 +27,7 @@ from ..api import LM, encode_prompts
 from ..errors import UserError
 from ..generate import Decoder, left_pad
 from ..policies import Policy, make_policy, parse_budget, recent_if_taken
+from ..policies.base import keeps_all_of
 from ..policies.rows import Rows
 
 # Instructions that ask for long answers, written for this project; a base model gets each as plain text.
@@ -71,12 +72,7 @@ def teacher_forced(decoder: Decoder, policy, ids: list[list[int]], ref: torch.Te
     idx, pos = left_pad(ids, device=ref.device)
     N = ref.shape[1]
     cache = decoder.new_cache(policy, len(ids), idx.shape[1] + N)
-    if prefill == "dense" or not cache.evicts:
-        yield 0, model.hidden(idx, pos, cache, "dense")[:, -1:]  # (B, 1, d): predicts ref[:, 0]
-    else:
-        for s in range(0, idx.shape[1], decoder.chunk):
-            h = model.hidden(idx[:, s:s + decoder.chunk], pos[:, s:s + decoder.chunk], cache, "stream")
-        yield 0, h[:, -1:]
+    yield 0, decoder.prefill(cache, idx, pos, prefill, head=False)[:, None]  # (B, 1, d): predicts ref[:, 0]
     start = pos[:, -1:] + 1  # (B, 1): each row's next position
     for s in range(0, N - 1, chunk):
         e = min(N - 1, s + chunk)
@@ -147,7 +143,7 @@ def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple]
     P, step = len(ids), max(1, max_batch // len(ids))
     # Points that keep every token (full) in batches of their own: a row that keeps everything widens every row's
     # slots (the widest row's C) and so slows the per-token loop of the batch it is in.
-    keeps_all = [j for j in range(len(points)) if all(not evicts(p, len(i) + new_tokens) for p, i in
+    keeps_all = [j for j in range(len(points)) if all(keeps_all_of(p, len(i) + new_tokens) for p, i in
                                                      zip(made[j], ids))]
     rest = [j for j in range(len(points)) if j not in keeps_all]
     for batch in [group[at:at + step] for group in (keeps_all, rest) for at in range(0, len(group), step)]:
@@ -164,11 +160,6 @@ def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple]
                                    "agree_share": share, "kv_bytes": decoder.cache_bytes(policy, 1, length),
                                    "kv_bytes_full": plain.cache_bytes(full, 1, length)})
             yield j, _row(made[j][0], points[j][1], prompts, new_tokens, prefill, decoder.stored_bits, per_prompt)
-
-
-def evicts(policy: Policy, length: int) -> bool:
-    """Whether the policy ever evicts from a sequence of `length` tokens."""
-    return (policy.capacity or length) < length
 
 
 def _row(policy: Policy, budget, prompts: Prompts, new_tokens: int, prefill: str, bits: int, per_prompt) -> dict:

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
-from ..cache import KVCache
 from ..errors import UserError
 from ..generate import Decoder, left_pad
 from ..model import Transformer
 from ..parallel import kv_bytes
 from ..policies import H2O, Policy
+from ..policies.base import keeps_all_of
 from ..policies.rows import Rows
 from .hindsight import hindsight_logits
 
@@ -69,13 +69,13 @@ def score_many(model: Transformer, ids: list[int], policies: list[Policy], refer
     """`score_text(..., compare_full=True)` for every policy, as (index in `policies`, result) when it finishes.
     The policies that evict run up to `max_batch` at a time as the rows of one batch (`policies/rows.py`): the
     text in every row, each row with its own policy and capacities, one pass for all; each row's numbers are
-    its policy's run alone (to the rounding of batched matmuls; tested to 1e-5 nats). Those that never evict
-    at this length (full's pass) or read ahead (hindsight: a pass of its own) run alone. `reference`: full's
+    its policy's run alone (to the rounding of batched matmuls; tested to 1e-5 nats). Those that keep every token
+    (full; their slots would widen every row's) or read ahead (hindsight: a pass of its own) run alone. `reference`: full's
     log-probs (`full_logprobs`). A result's `seconds` is its batch's time over its rows (`batch`)."""
     device = next(model.parameters()).device
     T = len(ids)
     decoder = Decoder(model, chunk=chunk, kv_bits=kv_bits)
-    alone = [i for i, p in enumerate(policies) if p.lookahead or not KVCache(model.cfg, p, 1, T, device="meta").evicts]
+    alone = [i for i, p in enumerate(policies) if p.lookahead or keeps_all_of(p, T)]
     for i in alone:
         yield i, score_text(model, ids, policies[i], chunk, True, reference=reference, progress=progress,
                             kv_bits=kv_bits)

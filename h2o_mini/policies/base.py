@@ -150,6 +150,12 @@ def keep_scores(policy: Policy, score, pos, t, keys=None, values=None) -> torch.
     return policy.keep_score(score, pos, t, keys)
 
 
+def keeps_all_of(policy: Policy, length: int) -> bool:
+    """Whether the policy keeps every token of a sequence of `length` (its C, the mean over layers, covers it).
+    Such a row is run alone, not batched with others (`Rows`): its slots would widen every row's."""
+    return (policy.capacity or length) >= length
+
+
 def check_causal(policy: Policy) -> None:
     """Refuses a policy that reads the text ahead (hindsight) wherever tokens are taken one at a time."""
     if policy.lookahead:

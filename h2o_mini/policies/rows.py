@@ -27,12 +27,9 @@ class Rows:
     def __init__(self, parts: list[tuple[Policy, int]]):
         if not parts or any(n < 1 for _, n in parts):
             raise ValueError("Rows needs at least one policy, each over at least one row")
-        self.parts = [(policy, n) for policy, n in parts]
-        self.bounds, start = [], 0
-        for _, n in self.parts:
-            self.bounds.append((start, start + n))
-            start += n
-        self.batch, self.sizes = start, [n for _, n in self.parts]
+        self.parts = list(parts)
+        self.sizes = [n for _, n in self.parts]
+        self.batch = sum(self.sizes)
         self.policies = policies = [p for p, _ in self.parts]
         self.name = "+".join(dict.fromkeys(p.name for p in policies))
         for flag in ("needs_scores", "needs_keys", "needs_values", "across_slots", "lookahead"):

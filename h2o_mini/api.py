@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,11 +15,10 @@ from pathlib import Path
 import torch
 
 from .errors import UserError, note
-from .evals.ppl import full_logprobs, score_many, score_text
 from .generate import Decoder, Sampling
 from .model import Transformer
 from .parallel import Shard, common_seed
-from .policies import Policy, make_policy, recent_if_taken
+from .policies import Policy, make_policy
 from .quant import check_kv_bits
 from .tokenizer import Tokenizer
 from .weights.prepared import MODELS, names, prepare_model
@@ -179,39 +177,3 @@ def scored_ids(lm: LM, text: str, tokens: int) -> list[int]:
         raise UserError(f"--tokens {tokens} is larger than the text ({len(ids)} tokens)")
     lm.model.cfg.check_length(tokens, f"--tokens {tokens}")
     return ids[:tokens]
-
-
-def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
-               compare_full: bool = False, chunk: int = 256, compile: bool = False, reference=None,
-               progress: bool = True, kv_bits: int | None = None) -> dict:
-    """eval ppl: NLL and perplexity of the text's first `tokens` tokens under a policy (see evals/ppl.py)."""
-    ids = scored_ids(lm, text, tokens)
-    pol = as_policy(policy, budget, tokens, recent)
-    return _finite(score_text(lm.model, ids, pol, chunk=chunk, compare_full=compare_full, compile=compile,
-                              reference=reference, progress=progress, kv_bits=check_kv_bits(kv_bits)))
-
-
-def perplexities(lm: LM, text: str, tokens: int, configs: list[tuple], recent=None, chunk: int = 256,
-                 max_batch: int = 32, progress: bool = True, kv_bits: int | None = None) -> Iterator[tuple]:
-    """eval sweep ppl: `perplexity(..., compare_full=True)` for every (policy, budget) in `configs`, yielded as
-    (config, result) when it finishes; the evicting ones run `max_batch` at a time as the rows of one batched
-    pass (`evals.ppl.score_many`). `recent` reaches only the policies that take it. Every policy is made (and
-    checked) before the first pass.
-
-        results = dict(h2o_mini.perplexities(lm, text, 2048, [("h2o", 0.1), ("tova", 0.1), ("local", 0.2)]))
-    """
-    ids = scored_ids(lm, text, tokens)
-    made = [as_policy(p, b, tokens, None if isinstance(p, Policy) else recent_if_taken(p, recent))
-            for p, b in configs]
-    kv_bits = check_kv_bits(kv_bits)
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise UserError(f"--max-batch {max_batch!r} must be an integer >= 1")
-    reference = full_logprobs(lm.model, ids)
-    for i, result in score_many(lm.model, ids, made, reference, chunk, max_batch, progress, kv_bits):
-        yield configs[i], _finite(result)
-
-
-def _finite(result: dict) -> dict:
-    if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
-        raise UserError(f"the model gave non-finite log-probabilities on this text ({result})")
-    return result

@@ -3,14 +3,13 @@
 The decoder in `model.py` is a single class; the differences between OPT, LLaMA, GPT-NeoX, the LLaMA-shaped
 Qwen2, Qwen3, Mistral and Phi-3, and Gemma 2 / Gemma 3 are the flags below (litgpt's approach). Weight-layout
 quirks (NeoX's and Phi-3's fused matrices, OPT's position offset, a multimodal Gemma 3's vision tower) live in
-`weights/hf.py`, not here; reading each family's config.json keys lives in `config_readers.py`.
+`weights/hf.py`, not here; reading a config.json into it lives in `config_readers.py` (`read_config`), which imports this
+module, never the reverse.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -69,25 +68,6 @@ class Config:
     def group(self) -> int:
         """Query heads per KV head."""
         return self.n_head // self.n_kv_head
-
-    @classmethod
-    def from_hf(cls, folder: str | Path) -> "Config":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise UserError(f"no config.json in {folder}")
-        try:
-            hf = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-            raise UserError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(hf, dict):
-            raise UserError(f"{path} must hold a JSON object, not {type(hf).__name__}")
-        from .config_readers import READERS, Fields
-        kind = hf.get("model_type")
-        if kind not in READERS:
-            raise UserError(f"unknown model_type {kind!r} in {path} (supported: {', '.join(READERS)})")
-        cfg = READERS[kind](Fields(hf, path))
-        cfg.check(path)
-        return cfg
 
     def check(self, path) -> None:
         """Consistency of the numbers read (each one was type-checked where it was read)."""

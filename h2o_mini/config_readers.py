@@ -6,6 +6,7 @@ by name, never ignored. Both config styles real checkpoints carry are read: tran
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -257,3 +258,22 @@ READERS = {
     "gemma3_text": lambda f: _gemma(f, "gemma3"),
     "gemma3": _gemma3_multimodal,
 }
+
+
+def read_config(folder: str | Path) -> Config:
+    """The `Config` of the Hugging Face checkpoint in `folder`, from its config.json."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise UserError(f"no config.json in {folder}")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"{path} must hold a JSON object, not {type(hf).__name__}")
+    kind = hf.get("model_type")
+    if kind not in READERS:
+        raise UserError(f"unknown model_type {kind!r} in {path} (supported: {', '.join(READERS)})")
+    cfg = READERS[kind](Fields(hf, path))
+    cfg.check(path)
+    return cfg

@@ -11,7 +11,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from h2o_mini import H2O, UserError, api, cli
+from h2o_mini import H2O, UserError, api, cli, perplexity
 from h2o_mini.bench import rate
 from h2o_mini.files import write_atomic
 from h2o_mini.generate import Sampling
@@ -235,7 +235,7 @@ def lm(folder):
     (lambda lm: api.generate(lm, "hi", max_new_tokens=0), "max_new_tokens 0"),
     (lambda lm: api.generate(lm, "hi", policy=H2O(heavy=2, recent=2), budget=0.5), "not both"),
     (lambda lm: api.generate(lm, "hi", seed=-1), "seed"),
-    (lambda lm: api.perplexity(lm, GPL3.read_text(), 1), ">= 2"),
+    (lambda lm: perplexity(lm, GPL3.read_text(), 1), ">= 2"),
     (lambda lm: api.load("/nonexistent"), "does not exist"),
 ])
 def test_api_refuses_nonsense(lm, call, needle):

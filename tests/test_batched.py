@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from h2o_mini import api
+from h2o_mini import api, perplexities, perplexity
 from h2o_mini.cache import ABSENT, KVCache
 from h2o_mini.evals.ppl import full_logprobs, score_many, score_text
 from h2o_mini.policies import LOOKAHEAD, REGISTRY, H2O, Local, make_policy
@@ -126,8 +126,8 @@ def test_sweep_ppl_batches_split_by_max_batch_give_the_same_rows(byte_folder, tm
 def test_perplexities_api_runs_configs_in_one_pass(byte_folder):
     lm = api.load(byte_folder("llama_gqa_tied"))
     text = GPL3.read_text()
-    got = dict(api.perplexities(lm, text, 64, [("h2o", 0.25), ("local", 16), (H2O(heavy=8, recent=8), None)]))
+    got = dict(perplexities(lm, text, 64, [("h2o", 0.25), ("local", 16), (H2O(heavy=8, recent=8), None)]))
     assert list(got) == [("h2o", 0.25), ("local", 16), (H2O(heavy=8, recent=8), None)]
     for (policy, budget), result in got.items():
-        alone = api.perplexity(lm, text, 64, policy, budget, compare_full=True)
+        alone = perplexity(lm, text, 64, policy, budget, compare_full=True)
         assert abs(result["nll"] - alone["nll"]) <= 1e-5 and result["capacity"] == 16

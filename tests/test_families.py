@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from h2o_mini.config import Config
+from h2o_mini.config_readers import read_config
 from h2o_mini.errors import UserError
 
 from .conftest import seeded_weights_, text_bytes, TINY
@@ -24,8 +24,8 @@ def _edited(tiny, tmp_path, name, edit, drop=()):
 def test_gemma3_older_config_keys_read_as_transformers_5s(tiny, tmp_path):
     """The keys of checkpoints saved before transformers 5 (rope_theta, rope_scaling, rope_local_base_freq,
     sliding_window_pattern) give the same Config as layer_types and the per-layer-type rope_parameters."""
-    new = Config.from_hf(tiny("gemma3_hybrid")[0])
-    old = Config.from_hf(_edited(tiny, tmp_path, "gemma3_hybrid", {
+    new = read_config(tiny("gemma3_hybrid")[0])
+    old = read_config(_edited(tiny, tmp_path, "gemma3_hybrid", {
         "sliding_window_pattern": 3, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, drop=("layer_types", "rope_parameters")))
     assert old == new
@@ -34,19 +34,19 @@ def test_gemma3_older_config_keys_read_as_transformers_5s(tiny, tmp_path):
 
 
 def test_gemma2_alternates_sliding_and_global_layers_by_default(tiny, tmp_path):
-    cfg = Config.from_hf(_edited(tiny, tmp_path, "gemma2_softcap", {"num_hidden_layers": 4}, drop=("layer_types",)))
+    cfg = read_config(_edited(tiny, tmp_path, "gemma2_softcap", {"num_hidden_layers": 4}, drop=("layer_types",)))
     assert cfg.windows == (5, None, 5, None) and (cfg.attn_softcap, cfg.logit_softcap) == (2.0, 5.0)
     # absent caps are transformers' defaults (50 / 30); null ones are no cap
-    cfg = Config.from_hf(_edited(tiny, tmp_path / "b", "gemma2_softcap", {}, drop=("attn_logit_softcapping",
+    cfg = read_config(_edited(tiny, tmp_path / "b", "gemma2_softcap", {}, drop=("attn_logit_softcapping",
                                                                                    "final_logit_softcapping")))
     assert (cfg.attn_softcap, cfg.logit_softcap) == (50.0, 30.0)
-    cfg = Config.from_hf(_edited(tiny, tmp_path / "c", "gemma2_softcap", {"attn_logit_softcapping": None}))
+    cfg = read_config(_edited(tiny, tmp_path / "c", "gemma2_softcap", {"attn_logit_softcapping": None}))
     assert cfg.attn_softcap is None
 
 
 def test_gemma2_rope_scaling_applies_to_every_layer(tiny, tmp_path):
     """Gemma 2 has one RoPE for sliding and global layers: a linear scaling is read for all, not refused."""
-    cfg = Config.from_hf(_edited(tiny, tmp_path, "gemma2_softcap", {"rope_parameters": {
+    cfg = read_config(_edited(tiny, tmp_path, "gemma2_softcap", {"rope_parameters": {
         "rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}))
     assert cfg.rope_linear == 4.0 and cfg.rope_theta_local is None
 
@@ -82,7 +82,7 @@ def test_image_text_gemma3_checkpoint_loads_its_text_decoder(tmp_path):
 ])
 def test_what_gemma_does_not_implement_is_refused_by_name(tiny, tmp_path, name, edit, needle):
     with pytest.raises(UserError) as e:
-        Config.from_hf(_edited(tiny, tmp_path, name, edit))
+        read_config(_edited(tiny, tmp_path, name, edit))
     assert needle in str(e.value)
 
 

@@ -78,14 +78,14 @@ def test_sharded_checkpoint_loads(tiny, tmp_path):
 def test_what_a_family_does_not_implement_is_refused_by_name(tiny, tmp_path, name, edit, needle):
     import json
     import shutil
-    from h2o_mini.config import Config
+    from h2o_mini.config_readers import read_config
     from h2o_mini.errors import UserError
     folder = tmp_path / name
     shutil.copytree(tiny(name)[0], folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(UserError, match=None) as e:
-        Config.from_hf(folder)
+        read_config(folder)
     assert needle in str(e.value)
 
 
@@ -98,24 +98,24 @@ def test_what_a_family_does_not_implement_is_refused_by_name(tiny, tmp_path, nam
 def test_sliding_windows_are_read_from_either_config_style(tiny, tmp_path, name, edit, windows):
     import json
     import shutil
-    from h2o_mini.config import Config
+    from h2o_mini.config_readers import read_config
     folder = tmp_path / name
     shutil.copytree(tiny(name)[0], folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
-    assert Config.from_hf(folder).windows == windows
+    assert read_config(folder).windows == windows
 
 
 def test_a_window_as_long_as_the_positions_is_no_window(tiny, tmp_path):
     """Phi-4-mini's sliding_window (262144) outlasts its positions: read as no window, not refused."""
     import json
     import shutil
-    from h2o_mini.config import Config
+    from h2o_mini.config_readers import read_config
     folder = tmp_path / "phi"
     shutil.copytree(tiny("phi3_partial_rotary")[0], folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
-    assert Config.from_hf(folder).family == "phi3"
+    assert read_config(folder).family == "phi3"
 
 
 @pytest.mark.parametrize("name", ["mistral_window", "qwen2_hybrid", "gemma2_softcap", "gemma3_hybrid"])

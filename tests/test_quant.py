@@ -80,10 +80,10 @@ def test_kv_bits_on_the_command_line(byte_folder):
 
 @pytest.mark.slow
 def test_8_bit_h2o_is_within_a_hundredth_of_a_nat_on_real_text():
-    from h2o_mini import api
-    lm = api.load("default")
+    import h2o_mini
+    lm = h2o_mini.load("default")
     text = GPL3.read_text()
-    plain = api.perplexity(lm, text, 512, "h2o", "0.2", progress=False)
-    eight = api.perplexity(lm, text, 512, "h2o", "0.2", progress=False, kv_bits=8)
+    plain = h2o_mini.perplexity(lm, text, 512, "h2o", "0.2", progress=False)
+    eight = h2o_mini.perplexity(lm, text, 512, "h2o", "0.2", progress=False, kv_bits=8)
     assert eight["kv_bytes"] < plain["kv_bytes"] / 3
     assert eight["nll"] != plain["nll"] and abs(eight["nll"] - plain["nll"]) <= 0.01

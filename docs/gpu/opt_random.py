@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from h2o_mini.bench import bench_one
-from h2o_mini.config import Config
+from h2o_mini.config_readers import read_config
 from h2o_mini.files import write_atomic
 from h2o_mini.generate import Decoder
 from h2o_mini.model import Transformer
@@ -29,7 +29,7 @@ def random_opt(shape: dict, dtype: torch.dtype, device: str) -> Transformer:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(dict(
             model_type="opt", max_position_embeddings=4096, word_embed_proj_dim=shape["hidden_size"], **shape)))
-        cfg = Config.from_hf(folder)
+        cfg = read_config(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from .. import api, parallel
+from ..evals.ppl import perplexity
 from ..bench import DEFAULT_TEXT
 from ..errors import UserError
 from ..files import check_output, read_text, write_atomic
@@ -116,7 +117,7 @@ def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tok
     text = read_text(text_path)
     lm = api.load(model, dtype, device, parallel.from_env(device))
     compile = device.startswith("cuda") if compile is None else compile
-    result = api.perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile,
+    result = perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile,
                             progress=not as_json, kv_bits=kv_bits)
     if as_json:
         click.echo(json.dumps(result, allow_nan=False))

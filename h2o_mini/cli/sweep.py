@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from .. import api
+from ..evals.ppl import perplexities
 from ..evals.sweep import check_budget_kinds, one_by_one, points, run_sweep, save_sweep_plot, table
 from ..files import check_output, read_text
 from ..policies import LOOKAHEAD, REGISTRY, recent_if_taken
@@ -86,7 +87,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
     api.scored_ids(lm, text, tokens)  # the text and --tokens checked before any point runs
 
     def run_points(todo):  # the points not in --out yet, the evicting ones as rows of batched passes
-        for point, result in api.perplexities(lm, text, tokens, todo, recent, chunk, max_batch, not as_json, kv_bits):
+        for point, result in perplexities(lm, text, tokens, todo, recent, chunk, max_batch, not as_json, kv_bits):
             yield point, [result]
     title = f"{lm.folder.name}: perplexity under eviction, {tokens} tokens of {Path(text_path).name}"
     _sweep("ppl", policies or (*REGISTRY, *LOOKAHEAD), budgets, out, plot_path, as_json, title, run_points,

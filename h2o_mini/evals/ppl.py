@@ -7,19 +7,22 @@ eviction loop sequentially (`cache.LayerCache._stream`), which equals one token 
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
 import torch
 from tqdm import tqdm
 
+from ..api import LM, as_policy, scored_ids
 from ..errors import UserError
 from ..generate import Decoder, left_pad
 from ..model import Transformer
 from ..parallel import kv_bytes
-from ..policies import H2O, Policy
+from ..policies import H2O, Policy, recent_if_taken
 from ..policies.base import keeps_all_of
 from ..policies.rows import Rows
+from ..quant import check_kv_bits
 from .hindsight import hindsight_logits
 
 
@@ -151,3 +154,38 @@ def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> I
     for s in range(0, T, chunk):
         yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")
 
+
+def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,
+               compare_full: bool = False, chunk: int = 256, compile: bool = False, reference=None,
+               progress: bool = True, kv_bits: int | None = None) -> dict:
+    """eval ppl: NLL and perplexity of the text's first `tokens` tokens under a policy (see score_text)."""
+    ids = scored_ids(lm, text, tokens)
+    pol = as_policy(policy, budget, tokens, recent)
+    return _finite(score_text(lm.model, ids, pol, chunk=chunk, compare_full=compare_full, compile=compile,
+                              reference=reference, progress=progress, kv_bits=check_kv_bits(kv_bits)))
+
+
+def perplexities(lm: LM, text: str, tokens: int, configs: list[tuple], recent=None, chunk: int = 256,
+                 max_batch: int = 32, progress: bool = True, kv_bits: int | None = None) -> Iterator[tuple]:
+    """eval sweep ppl: `perplexity(..., compare_full=True)` for every (policy, budget) in `configs`, yielded as
+    (config, result) when it finishes; the evicting ones run `max_batch` at a time as the rows of one batched
+    pass (`score_many`). `recent` reaches only the policies that take it. Every policy is made (and
+    checked) before the first pass.
+
+        results = dict(h2o_mini.perplexities(lm, text, 2048, [("h2o", 0.1), ("tova", 0.1), ("local", 0.2)]))
+    """
+    ids = scored_ids(lm, text, tokens)
+    made = [as_policy(p, b, tokens, None if isinstance(p, Policy) else recent_if_taken(p, recent))
+            for p, b in configs]
+    kv_bits = check_kv_bits(kv_bits)
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise UserError(f"--max-batch {max_batch!r} must be an integer >= 1")
+    reference = full_logprobs(lm.model, ids)
+    for i, result in score_many(lm.model, ids, made, reference, chunk, max_batch, progress, kv_bits):
+        yield configs[i], _finite(result)
+
+
+def _finite(result: dict) -> dict:
+    if not all(math.isfinite(v) for v in result.values() if isinstance(v, float)):
+        raise UserError(f"the model gave non-finite log-probabilities on this text ({result})")
+    return result

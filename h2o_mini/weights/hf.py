@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..config import Config, rope_inv_freq
+from ..config_readers import read_config
 from ..errors import UserError
 from ..model import Transformer
 from ..parallel import Shard
@@ -202,7 +203,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str 
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"model folder {folder} {'is a file, not a folder' if folder.exists() else 'does not exist'}")
-    cfg = Config.from_hf(folder)
+    cfg = read_config(folder)
     local = shard.local_config(cfg) if shard else cfg
     with torch.device("meta"):
         model = Transformer(local, shard)

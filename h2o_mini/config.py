@@ -3,8 +3,8 @@
 The decoder in `model.py` is a single class; the differences between OPT, LLaMA, GPT-NeoX, the LLaMA-shaped
 Qwen2, Qwen3, Mistral and Phi-3, and Gemma 2 / Gemma 3 are the flags below (litgpt's approach). Weight-layout
 quirks (NeoX's and Phi-3's fused matrices, OPT's position offset, a multimodal Gemma 3's vision tower) live in
-`weights/hf.py`, not here; reading a config.json into it lives in `config_readers.py` (`read_config`), which imports this
-module, never the reverse.
+`weights/hf.py`, not here; reading a config.json into it lives in `config_readers.py` (`read_config`), which
+imports this module, never the reverse.
 """
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ by name, never ignored. Both config styles real checkpoints carry are read: tran
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from .config import Config
 from .errors import UserError
+from .files import read_json_object
 
 
 _REQUIRED = object()
@@ -265,12 +265,7 @@ def read_config(folder: str | Path) -> Config:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise UserError(f"no config.json in {folder}")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-        raise UserError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise UserError(f"{path} must hold a JSON object, not {type(hf).__name__}")
+    hf = read_json_object(path)
     kind = hf.get("model_type")
     if kind not in READERS:
         raise UserError(f"unknown model_type {kind!r} in {path} (supported: {', '.join(READERS)})")

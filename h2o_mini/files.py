@@ -7,6 +7,7 @@ are not created: a typo in `--out` is an error, not a new folder tree.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -39,6 +40,17 @@ def read_text(path: str | Path, what: str = "text file") -> str:
         raise UserError(f"{what} {path} is not UTF-8") from None
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (a checkpoint's config.json, tokenizer_config.json)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def read_prompts(path: str | Path) -> list[str]:

@@ -9,10 +9,10 @@ BOS/EOS and the chat template come from the checkpoint's own `tokenizer_config.j
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 
 from .errors import UserError
+from .files import read_json_object
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -113,15 +113,7 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-        raise UserError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path} must hold a JSON object, not {type(value).__name__}")
-    return value
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _chat_template(folder: Path, config: dict) -> str | None:

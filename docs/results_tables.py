@@ -163,16 +163,20 @@ def hindsight():
 def generate():
     """eval generate on both models (docs/run_generate.sh): per policy and budget, the tokens written before the
     first divergence from full's text and the NLL of full's text read back; then each ranking beside the
-    perplexity leaderboard's (section 9's sweep of the same model on GPL-3, 4096 tokens)."""
+    perplexity leaderboard's (section 9's sweep of the same model on GPL-3, 4096 tokens). Greedy texts
+    (docs/run_generate.sh), then sampled ones (docs/run_generate_sampled.sh)."""
     for model, label in (("default", "SmolLM2-135M"), ("gemma3-270m", "Gemma 3 270M")):
-        for n in (512, 1024):
-            board = rows(f"generate_{model}_{n}.jsonl")
-            if not board:
+        for kind, n in (("greedy", 512), ("greedy", 1024), ("sampled", 512)):
+            board = rows(f"generate_{model}_{n}.jsonl" if kind == "greedy" else f"generate_sampled_{model}_{n}.jsonl")
+            if not any(r["policy"] != "full" for r in board):  # not measured (or only full's row so far)
                 continue
+            how = board[0].get("sampling")
+            title = label if how is None else f"{label}, sampled (temperature {how['temperature']:g}, " \
+                f"seed {how['seed']})"
             at = {(r["policy"], r["budget"]): r for r in board}
             budgets = [b for b in ("64", "128", "256", "0.1", "0.2") if any(k[1] == b for k in at)]
             full = at[("full", None)]
-            print(f"\n### {label}, N = {n}, the built-in prompts (means over {full['prompts']}): tokens before "
+            print(f"\n### {title}, N = {n}, the built-in prompts (means over {full['prompts']}): tokens before "
                   f"divergence / NLL of full's text (full: {n} / {full['nll']:.3f})\n")
             print("| policy | " + " | ".join(budgets) + " |")
             print("|---|" + "---|" * len(budgets))
@@ -182,6 +186,15 @@ def generate():
                 cells = [f"{at[(p, b)]['agree_tokens']:.0f} / {at[(p, b)]['nll']:.3f}" if (p, b) in at else ""
                          for b in budgets]
                 print(f"| {p} | " + " | ".join(cells) + " |")
+            if "128" in budgets and "256" in budgets:  # where each breaks, prompt by prompt
+                print("\nPer prompt, tokens before divergence at 128 / 256 tokens:\n")
+                names = ["story", "animals", "counting", "licence"] if full["prompt_set"] == "builtin" else []
+                names += [f"prompt {i + 1}" for i in range(len(names), full["prompts"])]
+                print("| policy | " + " | ".join(names) + " |")
+                print("|---|" + "---|" * len(names))
+                for p in (p for p in policies if (p, "128") in at and (p, "256") in at):
+                    print(f"| {p} | " + " | ".join(f"{a['agree_tokens']} / {b['agree_tokens']}" for a, b in zip(
+                        at[(p, "128")]["per_prompt"], at[(p, "256")]["per_prompt"])) + " |")
             mib = {b: at[(policies[0], b)]["kv_bytes"] / 2**20 for b in budgets if (policies[0], b) in at}
             print("\nKV MiB per budget: " + ", ".join(f"{b}: {v:.1f}" for b, v in mib.items())
                   + f" (full: {full['kv_bytes_full'] / 2**20:.1f})")
@@ -190,15 +203,52 @@ def generate():
                 common = [p for p in policies if (p, b) in at and (p, b) in ppl]
                 if len(common) < 3:
                     continue
-                by = {"tokens before divergence": lambda p: -at[(p, b)]["agree_tokens"],
-                      "NLL of full's text": lambda p: at[(p, b)]["nll"], "perplexity (section 9)": lambda p: ppl[(p, b)]}
-                ranks = {k: {p: i for i, p in enumerate(sorted(common, key=f))} for k, f in by.items()}
-                rho = lambda x, y: 1 - 6 * sum((ranks[x][p] - ranks[y][p]) ** 2 for p in common) / (  # noqa: E731
-                    len(common) * (len(common) ** 2 - 1))
-                names = list(by)
+                div, nll = {p: -at[(p, b)]["agree_tokens"] for p in common}, {p: at[(p, b)]["nll"] for p in common}
+                per = {p: ppl[(p, b)] for p in common}
                 print(f"\nAt {b}, Spearman's rho over {len(common)} policies: divergence vs perplexity "
-                      f"{rho(names[0], names[2]):+.2f}, NLL of full's text vs perplexity {rho(names[1], names[2]):+.2f}, "
-                      f"divergence vs NLL {rho(names[0], names[1]):+.2f}")
+                      f"{spearman(div, per):+.2f}, NLL of full's text vs perplexity {spearman(nll, per):+.2f}, "
+                      f"divergence vs NLL {spearman(div, nll):+.2f}")
+            if how is not None:  # sampled: token budgets only, so against perplexity at 0.1 and the greedy run
+                greedy = {(r["policy"], r["budget"]): r for r in rows(f"generate_{model}_{n}.jsonl")}
+                for b in budgets:
+                    common = [p for p in policies if (p, b) in at and (p, b) in greedy and (p, "0.1") in ppl]
+                    if len(common) < 3:
+                        continue
+                    div = {p: -at[(p, b)]["agree_tokens"] for p in common}
+                    print(f"\nAt {b}, Spearman's rho over {len(common)} policies: divergence vs greedy divergence "
+                          f"{spearman(div, {p: -greedy[(p, b)]['agree_tokens'] for p in common}):+.2f}, vs "
+                          f"perplexity at 0.1 {spearman(div, {p: ppl[(p, '0.1')] for p in common}):+.2f}")
+        consistent(model)
+
+
+def spearman(a: dict, b: dict) -> float:
+    """Spearman's rho of two scores over the same keys: Pearson's r of their ranks, tied scores sharing their mean
+    rank (greedy divergences tie often: four policies that leave a text at the same token)."""
+    def ranks(d):
+        order = sorted(d, key=d.get)
+        out = {}
+        for k in order:
+            same = [i for i, j in enumerate(order) if d[j] == d[k]]
+            out[k] = sum(same) / len(same)
+        return out
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra.values()) / len(ra), sum(rb.values()) / len(rb)
+    cov = sum((ra[k] - ma) * (rb[k] - mb) for k in a)
+    return cov / (sum((v - ma) ** 2 for v in ra.values()) * sum((v - mb) ** 2 for v in rb.values())) ** 0.5
+
+
+def consistent(model: str) -> None:
+    """A token budget fixes every row's cache whatever N is, so a prompt that leaves full's text within the first
+    512 tokens must leave it at the same token in the N = 1024 run (a check that both runs are the same exact
+    computation, batched differently)."""
+    short = {(r["policy"], r["budget"]): r for r in rows(f"generate_{model}_512.jsonl")}
+    pairs = [(a["agree_tokens"], b["agree_tokens"]) for r in rows(f"generate_{model}_1024.jsonl")
+             if (r["policy"], r["budget"]) in short and r["budget"] not in ("0.1", "0.2")
+             for a, b in zip(short[(r["policy"], r["budget"])]["per_prompt"], r["per_prompt"])
+             if a["agree_tokens"] < 512]
+    if pairs:
+        print(f"\nN = 512 against N = 1024 ({model}, token budgets): {sum(a == b for a, b in pairs)} of {len(pairs)} "
+              "prompts that leave full's text within 512 tokens leave it at the same token in both runs")
 
 
 MODES = {"generate": generate, "hindsight": hindsight, "models": models, "leaderboard": leaderboard,

@@ -39,8 +39,10 @@ class Sampling:
             raise UserError(f"top_p {self.top_p!r} must be in (0, 1] (1 = off)")
 
 
-def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) fp32 -> next tokens (B,) int64, without a host sync."""
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None,
+           noise: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) fp32 -> next tokens (B,) int64, without a host sync. A draw is argmax(p / E) with E ~ Exp(1)
+    per token (the exponential race, Gumbel-max's twin); `noise`, (B, V), gives the E's instead of `generator`."""
     if s.temperature <= 0:
         return logits.argmax(-1)
     logits = logits / s.temperature
@@ -52,7 +54,8 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None 
         sorted_p, order = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > s.top_p  # keep the smallest prefix reaching top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / noise).argmax(-1)
 
 
@@ -153,15 +156,19 @@ class Decoder:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], policy: Policy, max_new_tokens: int, prefill: str = "dense",
                  sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (), seed: int | None = None,
-                 check_every: int = 8) -> Iterator[torch.Tensor]:
+                 check_every: int = 8, noise=None) -> Iterator[torch.Tensor]:
         """Yields the next token of every row, (B,) on the model's device, `max_new_tokens` times at most.
-        Rows that ended keep producing tokens until all have ended; callers cut at the first EOS."""
+        Rows that ended keep producing tokens until all have ended; callers cut at the first EOS. noise(i, logits)
+        gives the draws of token i, (B, V), where they must not depend on a row's place in the batch (eval
+        generate's coupled sampling); otherwise they come from one generator seeded with `seed`."""
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         idx, pos = left_pad(prompts, device=device)
         length = idx.shape[1] + max_new_tokens
         cache = self.new_cache(policy, idx.shape[0], length)
-        token = sample(self.prefill(cache, idx, pos, prefill), sampling, gen)
+        draw = (lambda i, logits: None) if noise is None else noise  # noqa: E731
+        logits = self.prefill(cache, idx, pos, prefill)
+        token = sample(logits, sampling, gen, draw(0, logits))
         pos = pos[:, -1:] + 1  # (B, 1) next original position of every row
         eos = torch.tensor(eos_ids or (-1,), device=device)
         done = torch.isin(token, eos)
@@ -169,6 +176,7 @@ class Decoder:
             yield token
             if i == max_new_tokens - 1 or (i % check_every == check_every - 1 and bool(done.all())):
                 return
-            token = sample(self.step(self.model, cache, token[:, None], pos), sampling, gen)
+            logits = self.step(self.model, cache, token[:, None], pos)
+            token = sample(logits, sampling, gen, draw(i + 1, logits))
             pos = pos + 1
             done |= torch.isin(token, eos)

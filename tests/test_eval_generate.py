@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from h2o_mini import api
-from h2o_mini.evals.generation import Prompts, evaluate, evaluate_many
+from h2o_mini.evals.generation import CoupledDraws, Prompts, evaluate, evaluate_many, repeated
+from h2o_mini.generate import Sampling
 
 from .test_bad_input import one_line_error, run_cli
 
@@ -74,6 +75,54 @@ def test_points_batched_together_give_each_point_its_own_numbers(lm):
             assert abs(mine["nll"] - theirs["nll"]) <= 1e-5 and abs(mine["kl_full"] - theirs["kl_full"]) <= 1e-5
 
 
+def test_how_much_the_reference_repeats_itself(lm):
+    assert repeated(torch.arange(40)) == 0.0  # no 4-gram twice
+    loop = torch.tensor([7, 8, 9] * 20)  # 57 4-grams, 3 distinct: every one after the first three repeats
+    assert repeated(loop) == 54 / 57 and repeated(torch.tensor([1, 2])) == 0.0
+    refs = {}
+    row = evaluate(lm, PROMPTS, N, "full", None, chat=False, refs=refs)
+    for p, ref in zip(row["per_prompt"], refs["tokens"]):
+        assert p["ref_repeated"] == repeated(ref)
+    assert row["ref_repeated"] == sum(p["ref_repeated"] for p in row["per_prompt"]) / len(PROMPTS.texts)
+
+
+HOT = Sampling(temperature=1.0)
+
+
+def test_coupled_draws_depend_on_the_prompt_and_the_step_only():
+    ids = [[5, 6, 7], [8, 9]]
+    like = torch.zeros(4, 1000)
+    a, b = CoupledDraws(ids, seed=3, copies=2)(7, like), CoupledDraws(ids[1:], seed=3)(7, like[:1])
+    assert torch.equal(a[:2], a[2:]) and torch.equal(a[1], b[0])  # a prompt's draws wherever its row sits
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a, CoupledDraws(ids, 3, 2)(8, like))
+    assert not torch.equal(a, CoupledDraws(ids, seed=4, copies=2)(7, like))
+    assert a.min() > 0 and abs(a.mean().item() - 1) < 0.1  # Exp(1): mean 1, sd 1/sqrt(4000) ~ 0.016
+
+
+def test_sampled_full_keeps_to_its_own_sampled_text(lm):
+    """With a temperature, full's text is drawn with the draws the reference had: nothing diverges; the text is
+    the seed's (another seed writes another) and not the greedy one."""
+    refs, greedy_refs = {}, {}
+    row = evaluate(lm, PROMPTS, N, "full", None, chat=False, refs=refs, sampling=HOT, seed=1)
+    assert row["agree_tokens"] == N and row["kl_full"] == 0.0 and row["sampling"]["seed"] == 1
+    evaluate(lm, PROMPTS, N, "full", None, chat=False, refs=greedy_refs)
+    again = {}
+    evaluate(lm, PROMPTS, N, "full", None, chat=False, refs=again, sampling=HOT, seed=2)
+    assert not torch.equal(refs["tokens"], greedy_refs["tokens"]) and not torch.equal(refs["tokens"], again["tokens"])
+
+
+def test_sampled_points_batched_give_each_prompt_and_point_its_own_numbers(lm):
+    points = [("h2o", "8"), ("tova", "0.3"), ("local", "6")]
+    refs = {}
+    together = dict(evaluate_many(lm, PROMPTS, N, points, chat=False, max_batch=5, refs=refs, sampling=HOT, seed=1))
+    for j, (spec, budget) in enumerate(points):
+        for r, text in enumerate(PROMPTS.texts):  # one prompt, one point, alone
+            alone = evaluate(lm, Prompts("one", [text]), N, spec, budget, chat=False, sampling=HOT, seed=1)
+            mine, theirs = together[j]["per_prompt"][r], alone["per_prompt"][0]
+            assert mine["agree_tokens"] == theirs["agree_tokens"] and abs(mine["nll"] - theirs["nll"]) <= 1e-5
+    assert any(row["agree_tokens"] < N for row in together.values())  # a 6-token window does leave the text
+
+
 def test_cli_json_table_resume_and_plot(folder, tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     prompts = tmp_path / "p.txt"
@@ -83,13 +132,19 @@ def test_cli_json_table_resume_and_plot(folder, tmp_path, capsys, monkeypatch):
             "--policy", "h2o", "--budget", 8, "--budget", 16, "--out", out]
     code, stdout, err = run_cli(capsys, monkeypatch, *args, "--plot", plot)
     assert code == 0, err
-    assert stdout.splitlines()[0].split()[:3] == ["policy", "budget", "nll"] and len(stdout.splitlines()) == 4
+    lines = stdout.splitlines()
+    assert lines[0].split()[:3] == ["policy", "budget", "nll"] and len(lines) == 5
+    assert lines[-1].startswith("full's text: ") and "per prompt: " in lines[-1]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("h2o", "8"), ("h2o", "16")]
     assert all(r["prompts"] == 2 and r["new_tokens"] == 12 and r["prompt_set"] == "p.txt" for r in rows)
     assert plot.stat().st_size > 0
     code, again, err = run_cli(capsys, monkeypatch, *args, "--json")  # every point already in --out: none rerun
     assert code == 0 and [json.loads(line)["nll"] for line in again.splitlines()] == [r["nll"] for r in rows]
+    code, hot, err = run_cli(capsys, monkeypatch, *args, "--temperature", 1, "--seed", 3, "--json")
+    assert code == 0 and "sampling" in err  # a sampled run reuses no greedy row: it says so, and runs every point
+    assert [json.loads(line)["sampling"] for line in hot.splitlines()] == [
+        {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 3}] * 3
 
 
 def test_bad_input_is_one_line(folder, tmp_path, capsys, monkeypatch):

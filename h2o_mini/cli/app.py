@@ -27,8 +27,8 @@ from .explore import explore
 from .eval import eval_
 from .eval_generate import eval_generate
 from .sweep import sweep
-from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, Finite, ListOf, PolicyType, kv_bits_option,
-                      model_options, policy_options)
+from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
+                      model_options, policy_options, sampling_options)
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
@@ -88,10 +88,7 @@ Examples:
 @click.option("--prefill", default="dense", show_default=True, type=click.Choice(["dense", "stream"]))
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, COUNT),
               help="capped at the model's positions")
-@click.option("--temperature", default=0.0, show_default=True, type=Finite(min=0), help="0 = greedy")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0, COUNT), help="0 = off")
-@click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1, min_open=True), help="1 = off")
-@click.option("--seed", default=None, type=click.IntRange(0, 2**63 - 1))
+@sampling_options()
 @click.option("--chat/--no-chat", default=None, help="wrap each prompt in the checkpoint's chat template "
               "(default: when it has one)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda)")

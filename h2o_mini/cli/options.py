@@ -97,3 +97,16 @@ def policy_options(f):
     f = click.option("--budget", default=None, type=Budget(), help=f"KV budget C: {BUDGET_HELP}")(f)
     f = click.option("--policy", default="full", show_default=True, type=PolicyType(), help=POLICY_HELP)(f)
     return f
+
+
+def sampling_options(seed: int | None = None, seed_help: str | None = None):
+    """--temperature, --top-k, --top-p and --seed, as `generate` and `eval generate` both take them."""
+    def apply(f):
+        f = click.option("--seed", default=seed, show_default=seed is not None, type=click.IntRange(0, 2**63 - 1),
+                         help=seed_help)(f)
+        f = click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1, min_open=True),
+                         help="1 = off")(f)
+        f = click.option("--top-k", default=0, show_default=True, type=click.IntRange(0, COUNT), help="0 = off")(f)
+        return click.option("--temperature", default=0.0, show_default=True, type=Finite(min=0),
+                            help="0 = greedy")(f)
+    return apply

@@ -5,19 +5,29 @@ grows while the model writes, every token evicted is gone for the rest of the an
 read back by the next ones. Following the decode-time evaluations of the field (kvpress's decoding presses on
 long reasoning outputs, 2025-26; R-KV, Cai et al., 2025, arXiv 2505.24133), for each prompt:
 
-1. the **reference**: N new tokens, greedily, with the full cache (past an end token too, so every prompt has N);
+1. the **reference**: N new tokens with the full cache, greedily or sampled (below; past an end token too, so
+   every prompt has N);
 2. **teacher-forced fidelity**: the prompt, then the reference read back token by token through the policy's
    cache (the prompt in the `--prefill` mode, then the decode-time rule for every reference token); the mean NLL
    of the reference tokens and the mean KL(full || policy) of the next-token distributions along it;
-3. **free-running divergence**: the policy's own greedy N tokens: how many equal the reference before the first
-   difference (`agree_tokens`), and the share of positions where they are equal (`agree_share`);
+3. **free-running divergence**: the policy's own N tokens, written as the reference was: how many equal it
+   before the first difference (`agree_tokens`), and the share of positions where they are equal (`agree_share`);
 4. **cost**: the bytes of the cache (C slots per layer, row and KV head, allocated up front, so the end is the
-   peak), beside full's.
+   peak), beside full's;
+5. **how much the reference repeats itself** (`ref_repeated`, the share of its 4-grams seen earlier in it): a
+   small model often falls into a loop, and a loop shorter than the budget is kept by any policy that keeps the
+   most recent tokens, so a prompt whose reference loops says little about a policy.
 
 A budget fraction is taken of prompt + N (each prompt's own length; a token count is the same for all).
+
+With a temperature the reference and every policy's text are sampled, coupled (`CoupledDraws`): token i of a
+prompt's text is drawn with random numbers that depend only on the seed, the prompt and i, so where a policy's
+cache leaves the distribution as full's, it draws full's token. Greedy references of small models loop; sampled
+ones need not, and a divergence then measures the cache, not whether it holds a loop.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +35,7 @@ import torch
 
 from ..api import LM, encode_prompts
 from ..errors import UserError
-from ..generate import Decoder, left_pad
+from ..generate import Decoder, Sampling, left_pad
 from ..policies import Policy, make_policy, parse_budget, recent_if_taken
 from ..policies.base import keeps_all_of
 from ..policies.rows import Rows
@@ -101,11 +111,31 @@ def fidelity(decoder: Decoder, full: Policy, policy, ids: list[list[int]], ref: 
     return (nll / N).tolist(), (kl / N).tolist()
 
 
+class CoupledDraws:
+    """Common random numbers for sampled texts: the exponential draws of token i (`sample` takes argmax(p / E))
+    for each prompt come from a generator seeded by (seed, the prompt's token ids, i), whatever the row's place in
+    a batch and whichever policy reads it. `copies` x the prompts, copy-major, as a batch of points lays them."""
+
+    def __init__(self, ids: list[list[int]], seed: int, copies: int = 1):
+        self.keys = [hashlib.sha256(f"{seed}:{i}".encode()).digest() for i in ids]
+        self.copies = copies
+
+    def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:  # logits (copies * P, V) -> E's, same shape
+        V, step = logits.shape[-1], i.to_bytes(8, "little")
+        seeds = [int.from_bytes(hashlib.sha256(key + step).digest()[:8], "little") >> 1 for key in self.keys]
+        draws = torch.stack([torch.empty(V).exponential_(1, generator=torch.Generator().manual_seed(s))
+                             for s in seeds])  # (P, V), on the CPU: the same numbers on every device
+        return draws.repeat(self.copies, 1).to(logits.device)
+
+
 @torch.inference_mode()
-def greedy(decoder: Decoder, policy, ids: list[list[int]], new_tokens: int, prefill: str) -> torch.Tensor:
-    """(B, N): each prompt's greedy continuation under `policy` (rows of one batch share it; they never interact;
-    `Rows` gives each row its own). Under `full` it is the reference; under a policy evaluated, its own text."""
-    return torch.stack(list(decoder.generate(ids, policy, new_tokens, prefill)), 1)
+def written(decoder: Decoder, policy, ids: list[list[int]], new_tokens: int, prefill: str,
+            sampling: Sampling = Sampling(), seed: int = 0, copies: int = 1) -> torch.Tensor:
+    """(copies * P, N): each row's continuation under `policy` (rows of one batch share it; they never interact;
+    `Rows` gives each row its own), greedy or sampled with coupled draws. Under `full` it is the reference; under
+    a policy evaluated, its own text."""
+    draws = CoupledDraws(ids, seed, copies) if sampling.temperature > 0 else None  # greedy needs no draws
+    return torch.stack(list(decoder.generate(ids * copies, policy, new_tokens, prefill, sampling, noise=draws)), 1)
 
 
 def divergence(mine: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
@@ -115,20 +145,31 @@ def divergence(mine: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
     return first, sum(same) / len(same)
 
 
+def repeated(ref: torch.Tensor, n: int = 4) -> float:
+    """The share of the reference's n-grams that already occurred earlier in it: 0 for a text that never repeats
+    an n-gram, near 1 for one that loops (N tokens hold N - n + 1 n-grams)."""
+    grams = [tuple(g) for g in ref.unfold(0, n, 1).tolist()] if len(ref) >= n else []
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
 def evaluate(lm: LM, prompts: Prompts, new_tokens: int, spec: str, budget, recent=None, prefill: str = "dense",
-             chat: bool | None = None, kv_bits: int | None = None, refs: dict | None = None) -> dict:
+             chat: bool | None = None, kv_bits: int | None = None, refs: dict | None = None, *,
+             sampling: Sampling = Sampling(), seed: int = 0) -> dict:
     """One JSON row: `spec` at `budget` over every prompt (per-prompt numbers in `prompts`, means at the top)."""
     point = [(spec, budget)]
-    return next(evaluate_many(lm, prompts, new_tokens, point, recent, prefill, chat, kv_bits, refs=refs))[1]
+    return next(evaluate_many(lm, prompts, new_tokens, point, recent, prefill, chat, kv_bits, refs=refs,
+                              sampling=sampling, seed=seed))[1]
 
 
 def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple], recent=None, prefill: str = "dense",
                   chat: bool | None = None, kv_bits: int | None = None, max_batch: int = 32,
-                  refs: dict | None = None) -> Iterator[tuple[int, dict]]:
+                  refs: dict | None = None, *, sampling: Sampling = Sampling(),
+                  seed: int = 0) -> Iterator[tuple[int, dict]]:
     """(index, row) for every (spec, budget) point as it finishes. A point is one row per prompt; the points run
     up to `max_batch` rows at a time as the rows of one batch (`policies/rows.py`: each row its own policy and
     capacity), both free-running and teacher-forced, so the model's weights are read once per decode step for
-    all of them. refs: the reference made for these prompts (filled on first use), so a sweep makes it once."""
+    all of them. refs: the reference made for these prompts (filled on first use), so a sweep makes it once.
+    sampling, seed: greedy by default; with a temperature, every text is sampled with `CoupledDraws(seed)`."""
     ids = encode_prompts(lm, prompts.texts, chat)
     check_room(lm, ids, new_tokens)
     decoder = Decoder(lm.model, kv_bits=kv_bits)
@@ -136,7 +177,7 @@ def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple]
     full = make_policy("full", None, 1)
     refs = {} if refs is None else refs
     if "tokens" not in refs:
-        refs["tokens"] = greedy(plain, full, ids, new_tokens, prefill)
+        refs["tokens"] = written(plain, full, ids, new_tokens, prefill, sampling, seed)
     ref = refs["tokens"]
     made = [[policy_for(spec, budget, len(i) + new_tokens, recent_if_taken(spec, recent)) for i in ids]
             for spec, budget in points]
@@ -148,7 +189,7 @@ def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple]
     rest = [j for j in range(len(points)) if j not in keeps_all]
     for batch in [group[at:at + step] for group in (keeps_all, rest) for at in range(0, len(group), step)]:
         rows = Rows([(policy, 1) for j in batch for policy in made[j]])
-        mine = greedy(decoder, rows, ids * len(batch), new_tokens, prefill)  # (len(batch) * P, N)
+        mine = written(decoder, rows, ids, new_tokens, prefill, sampling, seed, len(batch))  # (len(batch) * P, N)
         nll, kl = fidelity(decoder, full, rows, ids, ref, prefill, copies=len(batch))
         for c, j in enumerate(batch):
             per_prompt = []
@@ -158,13 +199,15 @@ def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple]
                 per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or length, length),
                                    "nll": nll[c * P + r], "kl_full": kl[c * P + r], "agree_tokens": agree,
                                    "agree_share": share, "kv_bytes": decoder.cache_bytes(policy, 1, length),
-                                   "kv_bytes_full": plain.cache_bytes(full, 1, length)})
-            yield j, _row(made[j][0], points[j][1], prompts, new_tokens, prefill, decoder.stored_bits, per_prompt)
+                                   "kv_bytes_full": plain.cache_bytes(full, 1, length),
+                                   "ref_repeated": repeated(ref[r])})
+            row = _row(made[j][0], points[j][1], prompts, new_tokens, prefill, decoder.stored_bits, per_prompt)
+            yield j, {**row, "sampling": None if sampling.temperature <= 0 else {**vars(sampling), "seed": seed}}
 
 
 def _row(policy: Policy, budget, prompts: Prompts, new_tokens: int, prefill: str, bits: int, per_prompt) -> dict:
     mean = {k: sum(p[k] for p in per_prompt) / len(per_prompt) for k in
-            ("nll", "kl_full", "agree_tokens", "agree_share", "kv_bytes", "kv_bytes_full")}
+            ("nll", "kl_full", "agree_tokens", "agree_share", "kv_bytes", "kv_bytes_full", "ref_repeated")}
     return {"policy": policy.name, "params": policy.params(), "budget": budget, "prompt_set": prompts.name,
             "prompts": len(per_prompt), "new_tokens": new_tokens, "prefill": prefill, "kv_bits": bits,
             **mean, "ppl": float(torch.tensor(mean["nll"]).exp()), "per_prompt": per_prompt}

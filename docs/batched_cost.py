@@ -51,10 +51,10 @@ def main() -> None:
     n, T = len(policies), args.tokens
 
     def read(policy, rows):
-        cache = decoder.new_cache(policy, rows, L)
+        cache = decoder.new_cache(policy, rows, L, "stream")
         x, pos = torch.tensor([ids[:T]] * rows, device=dev), torch.arange(T, device=dev)[None].expand(rows, T)
         for s in range(0, T, 256):
-            model.hidden(x[:, s:s + 256], pos[:, s:s + 256], cache, "stream")
+            model.hidden(x[:, s:s + 256], pos[:, s:s + 256], cache)
     alone = sum(seconds(lambda: read(p, 1)) for p in policies)
     together = seconds(lambda: read(Rows([(p, 1) for p in policies]), n))
     print(f"2. reading {T} tokens, {n} points: one after another {alone:.1f} s, one batch {together:.1f} s "

@@ -36,7 +36,7 @@ def main() -> None:
             cache = decoder.new_cache(make_policy(name, budget, length), batch, length)
             idx = torch.randint(0, 1000, (batch, 512), generator=torch.Generator().manual_seed(0))
             pos = torch.arange(512)[None].expand(batch, 512)
-            decoder.prefill(cache, idx, pos, "dense")
+            decoder.prefill(cache, idx, pos)
             token, at = idx[:, -1:], torch.full((batch, 1), 512)
             step = timed(lambda: decoder.step(model, cache, token, at), 8)
             x = torch.randn(batch, 1, model.cfg.d_model)

@@ -26,6 +26,7 @@ from .errors import UserError, note
 from .generate import Decoder, left_pad
 from .parallel import kv_bytes
 from .policies import budget_if_taken, make_policy, recent_if_taken, resolve
+from .policies.base import refuse_lookahead
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 COLUMNS = {"policy": 12, "budget": 6, "capacity": 8, "batch": 5, "prompt_tokens": 13, "new_tokens": 10,
@@ -95,7 +96,7 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
     step_pos = pos[:, -1:] + 1
     token = idx[:, -1:]
     status["stage"] = "warming up" + (" and compiling" if decoder.compiled else "")
-    scratch = decoder.new_cache(policy, batch, length)  # warm-up (and compilation) on the same shapes
+    scratch = decoder.new_cache(policy, batch, length, prefill)  # warm-up (and compilation) on the same shapes
     for i in range(3):
         decoder.step(model, scratch, token, step_pos + i)
     del scratch
@@ -103,16 +104,16 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
     _sync(device)
     t0 = time.perf_counter()
     status["stage"] = f"prefilling {prompt_tokens} tokens x {batch} rows"
-    cache = decoder.new_cache(policy, batch, length)
+    cache = decoder.new_cache(policy, batch, length, prefill)
     if same_prompt:
-        one = decoder.new_cache(policy, 1, length)
-        token = decoder.prefill(one, idx[:1], pos[:1], prefill).argmax(-1, keepdim=True).expand(batch, 1)
+        one = decoder.new_cache(policy, 1, length, prefill)
+        token = decoder.prefill(one, idx[:1], pos[:1]).argmax(-1, keepdim=True).expand(batch, 1)
         for row, src in zip(cache.layers, one.layers):
             for mine, its in zip(row.tensors(), src.tensors()):
                 mine.copy_(its.expand_as(mine))
         del one
     else:
-        token = decoder.prefill(cache, idx, pos, prefill).argmax(-1, keepdim=True)  # (B, 1)
+        token = decoder.prefill(cache, idx, pos).argmax(-1, keepdim=True)  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()
     for i in tqdm(range(new_tokens - 1), desc=label or policy.name, unit="step", disable=None, leave=False):
@@ -206,8 +207,9 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
     for n in lengths:  # every configuration checked before the first one runs; side-by-side ones adjacent
         for b in batches:
             for policy, budget in configs:
-                per_row = decoder.cache_bytes(make_policy(policy, budget, n + new_tokens,
-                                                          recent_if_taken(policy, recent)), 1, n + new_tokens)
+                made = make_policy(policy, budget, n + new_tokens, recent_if_taken(policy, recent))
+                refuse_lookahead(made)
+                per_row = decoder.cache_bytes(made, 1, n + new_tokens)
                 plan[n, policy, budget, b] = b if cap is None else min(max_batch, cap // per_row)
                 if plan[n, policy, budget, b] < 1:
                     raise UserError(f"--kv-memory {kv_memory}: one row of {policy} needs {per_row} bytes")

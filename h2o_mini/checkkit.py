@@ -3,7 +3,7 @@
 The kit builds tiny random decoders of each family (LLaMA with GQA, OPT, GPT-NeoX, Qwen3, a hybrid model
 with a sliding-window layer, a Gemma-shaped hybrid with soft-capped attention; seeded weights, no download),
 reads a real text through them under the policy, and compares every fast path of `cache.py` (the decode step,
-stream prefill in chunks of 1/7/64, dense prefill in one block and in causal blocks of 7 then decoding, a ragged
+stream prefill in chunks of 2/7/64, dense prefill in one block and in causal blocks of 7 then decoding, a ragged
 left-padded batch in both prefill modes, the compiled step, keys and values stored at 8 and 4 bits, a row of a
 batch of other policies) with
 `hookref.HookReference`: a naive cache that keeps every key and value and applies the rule one token at a time,
@@ -65,29 +65,30 @@ def record_kv(cache) -> list[dict]:
     order (a chunk rather than one token), so the quantized comparison rounds the same tensors on both sides."""
     given = [{} for _ in cache.layers]
     for layer, seen in zip(cache.layers, given):
-        def attend(q, k, v, pos, mode, _attend=layer.attend, _seen=seen):
+        def attend(q, k, v, pos, _attend=layer.attend, _seen=seen):
             for i, p in enumerate(pos[0].tolist()):
                 _seen[p] = (k[0, :, i].clone(), v[0, :, i].clone())
-            return _attend(q, k, v, pos, mode)
+            return _attend(q, k, v, pos)
         layer.attend = attend
     return given
 
 
 def fast_logits(model, ids, policy, plan, kv_bits=None, dense_block=512, record=False, decoder=None):
-    """(T, V) teacher-forced logits through the real `KVCache`; plan: (start, end, mode) covering the ids.
-    decoder: its (compiled) step runs the "step" parts. record: also the keys and values it was given."""
+    """(T, V) teacher-forced logits through the real `KVCache`; plan: (start, end, how) covering the ids, how is
+    "step" (one token, by the decoder's (compiled) step), or "dense" / "stream" (a prompt chunk: the cache is
+    built with the first chunk's). record: also the keys and values it was given."""
     decoder = decoder or Decoder(model, kv_bits=kv_bits)
-    cache = decoder.new_cache(policy, 1, len(ids))
+    cache = decoder.new_cache(policy, 1, len(ids), "dense" if plan[0][2] == "dense" else "stream")
     for layer in cache.layers:
         layer.dense_block = dense_block
     given = record_kv(cache) if record else None
     x = torch.tensor([ids])
     out = []
-    for s, e, mode in plan:
-        if mode == "step":
+    for s, e, how in plan:
+        if how == "step":
             out.append(decoder.step(model, cache, x[:, s:e], torch.arange(s, e)[None])[:, None])
         else:
-            out.append(model(x[:, s:e], torch.arange(s, e)[None], cache, mode=mode))
+            out.append(model(x[:, s:e], torch.arange(s, e)[None], cache))
     logits = torch.cat(out, 1)[0]
     return (logits, given) if record else logits
 
@@ -126,7 +127,7 @@ def check_paths(make, family: str, compiled: bool = False, quantized: bool = Fal
     policy = make(T)
     want = reference_logits(model, ids, policy)
     yield "decode step", _diff(fast_logits(model, ids, policy, steps(0, T)), want)
-    for chunk in (1, 7, 64):
+    for chunk in (2, 7, 64):  # (a chunk of one token is a decode step)
         plan = [(s, min(T, s + chunk), "stream") for s in range(0, T, chunk)]
         yield f"stream, chunks of {chunk}", _diff(fast_logits(model, ids, policy, plan), want)
     n = 30  # a prompt longer than C, then decoding
@@ -157,10 +158,10 @@ def _ragged(model, make, prefill: str) -> float:
     policy = make(40)
     idx, pos = left_pad(prompts)
     decoder = Decoder(model)
-    cache = decoder.new_cache(policy, len(texts), 40)
+    cache = decoder.new_cache(policy, len(texts), 40, prefill)
     chunks = [(0, idx.shape[1])] if prefill == "dense" else [(s, s + 9) for s in range(0, idx.shape[1], 9)]
-    first = torch.cat([model(idx[:, s:e], pos[:, s:e], cache, mode=prefill) for s, e in chunks], 1)
-    rest = [model(torch.tensor([[f[i]] for f in follow]), pos[:, -1:] + 1 + i, cache, mode="step") for i in range(8)]
+    first = torch.cat([model(idx[:, s:e], pos[:, s:e], cache) for s, e in chunks], 1)
+    rest = [model(torch.tensor([[f[i]] for f in follow]), pos[:, -1:] + 1 + i, cache) for i in range(8)]
     worst = 0.0
     for row, (p, text) in enumerate(zip(prompts, texts)):
         want = reference_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
@@ -177,9 +178,9 @@ def _beside_others(model, policy: Policy, ids: list[int], want: torch.Tensor) ->
     data = list(TEXT.encode())
     x = torch.tensor([data[60:60 + T], ids, data[100:100 + T], data[140:140 + T]])
     pos = torch.arange(T)[None].expand(4, T)
-    cache = Decoder(model).new_cache(rows, 4, T)
-    out = [model(x[:, s:min(s + 9, 30)], pos[:, s:min(s + 9, 30)], cache, mode="stream") for s in range(0, 30, 9)]
-    out += [model(x[:, t:t + 1], pos[:, t:t + 1], cache, mode="step") for t in range(30, T)]
+    cache = Decoder(model).new_cache(rows, 4, T, "stream")
+    out = [model(x[:, s:min(s + 9, 30)], pos[:, s:min(s + 9, 30)], cache) for s in range(0, 30, 9)]
+    out += [model(x[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(30, T)]
     return _diff(torch.cat(out, 1)[1], want)
 
 

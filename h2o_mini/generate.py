@@ -17,10 +17,11 @@ from functools import partial
 
 import torch
 
-from .cache import KVCache, stream_token
+from .cache import KVCache
 from .errors import UserError
 from .model import Transformer
 from .policies import Policy
+from .policies.base import refuse_lookahead
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,11 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None 
 
 def decode_step(model: Transformer, cache: KVCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """One token per row through every layer, evicting inside the cache. token, pos: (B, 1). -> (B, V)."""
-    return model(token, pos, cache, mode="step")[:, -1]
+    return model(token, pos, cache)[:, -1]
 
 
 def run_block(block, x, pos, rope, layer_cache) -> torch.Tensor:
-    return block(x, pos, rope, layer_cache, "step")
+    return block(x, pos, rope, layer_cache)
 
 
 def layerwise_decode_step(block_fn, model: Transformer, cache: KVCache, token, pos) -> torch.Tensor:
@@ -114,33 +115,30 @@ class Decoder:
             self.step = partial(layerwise_decode_step, torch.compile(run_block, fullgraph=True, dynamic=False))
         else:
             self.step = decode_step
-        # The per-token eviction loop of stream mode, fused into one kernel. (On this project's CPUs it does not
-        # pay: a compiled call costs ~80 us of guards and wrappers, about what its ~20 tiny eager ops cost.)
-        self.token_fn = torch.compile(stream_token, fullgraph=True, dynamic=False) if compile else stream_token
+        # With `compile`, the caches' stream loop body is fused into one kernel too. (On this project's CPUs it
+        # does not pay: a compiled call costs ~80 us of guards and wrappers, about what its tiny eager ops cost.)
+        self.compile_loop = bool(compile)
 
-    def new_cache(self, policy: Policy, batch: int, length: int) -> KVCache:
+    def new_cache(self, policy: Policy, batch: int, length: int, prefill: str = "dense") -> KVCache:
+        """A cache for `batch` rows of up to `length` tokens; prefill: how it reads a prompt ("dense" / "stream")."""
+        refuse_lookahead(policy)  # every command that runs a policy causally builds its cache here
         p = next(self.model.parameters())
-        return KVCache(self.model.cfg, policy, batch, length, dtype=p.dtype, device=p.device, token_fn=self.token_fn,
-                       kv_bits=self.kv_bits)
+        return KVCache(self.model.cfg, policy, batch, length, dtype=p.dtype, device=p.device, prefill=prefill,
+                       kv_bits=self.kv_bits, compile=self.compile_loop)
 
     def cache_bytes(self, policy: Policy, batch: int, length: int) -> int:
         """What `new_cache` would hold, in bytes, without allocating it (a cache on the meta device)."""
         p = next(self.model.parameters())
         return KVCache(self.model.cfg, policy, batch, length, dtype=p.dtype, device="meta", kv_bits=self.kv_bits).nbytes
 
-    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, mode: str,
-                head: bool = True) -> torch.Tensor:
+    def prefill(self, cache: KVCache, idx: torch.Tensor, pos: torch.Tensor, head: bool = True) -> torch.Tensor:
         """Run the prompts into the cache; returns the last position's logits (B, V), or without `head` its last
         layer's output (B, d_model) (a caller that takes the head a row at a time).
 
-        `stream` feeds the prompt through the per-token eviction rule in chunks; `dense` attends causally
-        and keeps C tokens at the end. When no layer ever evicts (C >= the cache's length) both are the same, so
-        the cheaper dense path is used."""
-        if mode == "dense" or not cache.evicts:
-            x = self.model.hidden(idx, pos, cache, "dense")
-        else:
-            for s in range(0, idx.shape[1], self.chunk):
-                x = self.model.hidden(idx[:, s:s + self.chunk], pos[:, s:s + self.chunk], cache, "stream")
+        A `stream` cache takes the prompt in chunks through the per-token rule; a `dense` one in one pass."""
+        chunk = idx.shape[1] if cache.prefill == "dense" else self.chunk
+        for s in range(0, idx.shape[1], chunk):
+            x = self.model.hidden(idx[:, s:s + chunk], pos[:, s:s + chunk], cache)
         x = x[:, -1:]  # (B, 1, d_model)
         return (self.model.head(x) if head else x)[:, -1]
 
@@ -165,9 +163,9 @@ class Decoder:
         gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         idx, pos = left_pad(prompts, device=device)
         length = idx.shape[1] + max_new_tokens
-        cache = self.new_cache(policy, idx.shape[0], length)
+        cache = self.new_cache(policy, idx.shape[0], length, prefill)
         draw = (lambda i, logits: None) if noise is None else noise  # noqa: E731
-        logits = self.prefill(cache, idx, pos, prefill)
+        logits = self.prefill(cache, idx, pos)
         token = sample(logits, sampling, gen, draw(0, logits))
         pos = pos[:, -1:] + 1  # (B, 1) next original position of every row
         eos = torch.tensor(eos_ids or (-1,), device=device)

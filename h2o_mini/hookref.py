@@ -11,7 +11,6 @@ import torch
 
 from .config import Config
 from .policies import Policy
-from .policies.base import keep_scores
 from .quant import codec
 
 
@@ -35,10 +34,10 @@ class HookReference:
         k, v = self.codec.decode(self.codec.encode(k)), self.codec.decode(self.codec.encode(v))
         return k[0].float(), v[0].float()
 
-    def attend(self, layer, q, k, v, pos, mode):
+    def attend(self, layer, q, k, v, pos):
         assert q.shape[0] == 1, "the reference runs one row"
         k, v = self._store(layer, k, v, pos)  # (H, T, hd)
-        if mode == "dense":
+        if q.shape[2] > 1:  # a prompt: dense
             return self._dense(layer, q, k, v, pos)
         st, policy = self.state[layer], self.policies[layer]
         H, g = self.cfg.n_kv_head, self.cfg.group
@@ -80,7 +79,7 @@ class HookReference:
 
     def _keep(self, policy, st, cached, score, t):
         pos = st["P"].expand_as(cached).masked_fill(~cached, -1)[None]  # (1, H, n); not cached: < 0
-        return keep_scores(policy, score[None], pos, torch.tensor(t), st["K"][None], st["V"][None])[0]
+        return policy.keep_score(score[None], pos, torch.tensor(t), st["K"][None], st["V"][None])[0]
 
     def _dense(self, layer, q, k, v, pos):
         policy, H, g = self.policies[layer], self.cfg.n_kv_head, self.cfg.group
@@ -102,7 +101,7 @@ class HookReference:
                                              causal[i][None, None])[0, 0]
         score = policy.prompt_score(score[None])[0]
         P = torch.arange(T_)
-        keep = keep_scores(policy, score[None], P.expand(H, T_)[None], torch.tensor(T_ - 1), k[None], v[None])[0]
+        keep = policy.keep_score(score[None], P.expand(H, T_)[None], torch.tensor(T_ - 1), k[None], v[None])[0]
         if W:  # chosen among the tokens still inside the last position's window
             keep = keep.masked_fill(P <= T_ - 1 - W, -torch.inf)
         n = min(self.caps[layer], T_)
@@ -118,8 +117,8 @@ class _Layer:
     def __init__(self, cache: HookReference, index: int):
         self.cache, self.index = cache, index
 
-    def attend(self, q, k, v, pos, mode):
-        return self.cache.attend(self.index, q, k, v, pos, mode)
+    def attend(self, q, k, v, pos):
+        return self.cache.attend(self.index, q, k, v, pos)
 
 
 def reference_logits(model, ids, policy, length=None, dense_prompt=0, kv_bits=None, given_kv=None) -> torch.Tensor:
@@ -127,6 +126,6 @@ def reference_logits(model, ids, policy, length=None, dense_prompt=0, kv_bits=No
     token at a time."""
     cache = HookReference(model.cfg, policy, length or len(ids), kv_bits, given_kv)
     x = torch.tensor([ids])
-    outs = [model(x[:, :dense_prompt], torch.arange(dense_prompt)[None], cache, mode="dense")] if dense_prompt else []
-    outs += [model(x[:, t:t + 1], torch.tensor([[t]]), cache, mode="step") for t in range(dense_prompt, len(ids))]
+    outs = [model(x[:, :dense_prompt], torch.arange(dense_prompt)[None], cache)] if dense_prompt else []
+    outs += [model(x[:, t:t + 1], torch.tensor([[t]]), cache) for t in range(dense_prompt, len(ids))]
     return torch.cat(outs, 1)[0]

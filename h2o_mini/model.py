@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None  # Qwen3, Gemma 3
         self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
 
-    def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
+    def forward(self, x, pos, rope, cache) -> torch.Tensor:
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         if cache is None:
             out = causal_attention(q, k, v, pos, self.window, cfg.attn_scale, cfg.attn_softcap)
         else:
-            out = cache.attend(q, k, v, pos, mode)  # (B, n_head, T, hd): this layer's `cache.LayerCache`
+            out = cache.attend(q, k, v, pos)  # (B, n_head, T, hd): this layer's `cache.LayerCache` picks its path
         return all_reduce(self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim)), self.shard)
 
 
@@ -137,9 +137,9 @@ class Block(nn.Module):
         self.post_attn_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg) if cfg.sandwich_norm else None
 
-    def forward(self, x, pos, rope, cache, mode: str) -> torch.Tensor:
+    def forward(self, x, pos, rope, cache) -> torch.Tensor:
         def attn(h):
-            return self.attn(h, pos, rope, cache, mode)
+            return self.attn(h, pos, rope, cache)
 
         if self.cfg.sandwich_norm:  # Gemma 2/3
             h = x + self.post_attn_norm(attn(self.norm1(x)))
@@ -172,24 +172,21 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True) if self.local_rope else None,
                              persistent=False)
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor, cache=None, mode: str = "dense",
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """idx, pos: (B, T) token ids and original positions (negative = padding). Returns fp32 logits
         (B, T, vocab), or (B, 1, vocab) for the last position only with `last_only` (a long prompt's logits
-        would otherwise be the largest tensor of a generation).
-
-        mode (with a `cache.KVCache`): "dense" (causal prompt attention, then keep C per the policy),
-        "stream" (the per-token eviction rule over the whole chunk), or "step" (one token per row).
+        would otherwise be the largest tensor of a generation). cache: a `cache.KVCache` (its layers pick the
+        path from the input: one token per row is a decode step, more is a prompt chunk), or None (causal).
         """
-        x = self.hidden(idx, pos, cache, mode)
+        x = self.hidden(idx, pos, cache)
         return self.head(x[:, -1:] if last_only else x)
 
-    def hidden(self, idx: torch.Tensor, pos: torch.Tensor, cache=None, mode: str = "dense") -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
         """`forward` up to the head: the last layer's output (B, T, d_model). Scoring many rows at a large
         vocabulary takes the head a block at a time from here, never (B, T, vocab) at once."""
         x, ropes = self.embed(idx, pos)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, ropes[i], None if cache is None else cache.layers[i], mode)
+            x = layer(x, pos, ropes[i], None if cache is None else cache.layers[i])
         return x
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor):

@@ -24,6 +24,7 @@ from .cache import KVCache
 from .errors import UserError
 from .model import Transformer
 from .policies import Policy
+from .policies.base import refuse_lookahead
 from .policies.rows import Rows
 
 
@@ -84,7 +85,9 @@ def record_many(model: Transformer, ids: list[int], policies: list[Policy], snap
     T = len(ids)
     if T < 2:
         raise UserError("recording needs at least 2 tokens")
-    if prefill == "dense":  # each policy keeps its own C at once: no shared pass (see cache.LayerCache._dense)
+    for policy in policies:
+        refuse_lookahead(policy)
+    if prefill == "dense":  # each policy keeps its own C at once: no shared pass (see prompt.dense)
         return [_record_dense(model, ids, policy, kv_bits) for policy in policies]
     return [rec for at in range(0, len(policies), max_batch)
             for rec in _record_rows(model, ids, policies[at:at + max_batch], snapshots, kv_bits, progress)]
@@ -102,7 +105,7 @@ def _record_rows(model, ids, policies, snapshots, kv_bits, progress) -> list[Rec
     x = torch.tensor([ids], device=p.device).expand(B, -1)  # (B, T): the same text in every row
     arrived = torch.arange(T)  # a position has arrived by step t when it is <= t
     for t in range(T):
-        logits = model(x[:, t:t + 1], torch.full((B, 1), t, device=p.device), cache, mode="step")[:, -1]  # (B, V)
+        logits = model(x[:, t:t + 1], torch.full((B, 1), t, device=p.device), cache)[:, -1]  # (B, V): a decode step
         if t + 1 < T:
             nll -= logits.float().log_softmax(-1)[:, ids[t + 1]].double().cpu()
         for i, layer in enumerate(cache.layers):  # positions that have arrived, are not cached and had no step yet
@@ -117,7 +120,7 @@ def _record_rows(model, ids, policies, snapshots, kv_bits, progress) -> list[Rec
         if progress:
             progress(t)
     return [Recording(policy, list(ids), evicted[b], steps, scores[b], float(nll[b]) / (T - 1),
-                      [layer.row_capacity[b] for layer in cache.layers],  # a row's own bytes: its cache alone
+                      [layer.rows[b] for layer in cache.layers],  # a row's own bytes: its cache alone
                       KVCache(cfg, policy, 1, T, dtype=p.dtype, device="meta", kv_bits=kv_bits).nbytes)
             for b, policy in enumerate(policies)]
 
@@ -136,7 +139,7 @@ def _record_dense(model: Transformer, ids: list[int], policy: Policy, kv_bits: i
     p = next(model.parameters())
     cache = KVCache(cfg, policy, 1, T, dtype=p.dtype, device=p.device, kv_bits=kv_bits)
     x = torch.tensor([ids], device=p.device)
-    logits = model(x, torch.arange(T, device=p.device)[None], cache, mode="dense")[0, :-1]
+    logits = model(x, torch.arange(T, device=p.device)[None], cache)[0, :-1]  # one dense prompt
     nll = -logits.float().log_softmax(-1).gather(1, x[0, 1:, None]).mean().item()
     evicted = torch.full((cfg.n_layer, cfg.n_kv_head, T), T - 1, dtype=torch.int32)
     for i, layer in enumerate(cache.layers):

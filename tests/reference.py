@@ -74,16 +74,15 @@ class ReferenceCache:
                       for _ in range(cfg.n_layer)]
         self.layers = [_Layer(self, i) for i in range(cfg.n_layer)]  # what the model indexes
 
-    def attend(self, layer, q, k, v, pos, mode):
+    def attend(self, layer, q, k, v, pos):
         assert q.shape[0] == 1, "the reference runs one row"
         if self.given is not None:
             given = [self.given[layer][int(p)] for p in pos[0]]
             k = torch.stack([kv[0] for kv in given], 1)[None].to(k.dtype)  # (1, H, T, hd)
             v = torch.stack([kv[1] for kv in given], 1)[None].to(v.dtype)
         k, v = fake_quant(k, self.bits), fake_quant(v, self.bits)
-        if mode == "dense":
+        if q.shape[2] > 1:  # a prompt: dense
             return self._dense(layer, q, k, v, pos)
-        assert q.shape[2] == 1
         st, C, name = self.state[layer], self.caps[layer], self.policy.name
         t = int(pos[0, 0])
         st["K"].append(k[0, :, 0])
@@ -255,8 +254,8 @@ class _Layer:
     def __init__(self, cache: ReferenceCache, index: int):
         self.cache, self.index = cache, index
 
-    def attend(self, q, k, v, pos, mode):
-        return self.cache.attend(self.index, q, k, v, pos, mode)
+    def attend(self, q, k, v, pos):
+        return self.cache.attend(self.index, q, k, v, pos)
 
 
 def reference_logits(model, ids: list[int], policy: Policy, length: int | None = None, dense_prompt: int = 0,
@@ -270,7 +269,7 @@ def reference_logits(model, ids: list[int], policy: Policy, length: int | None =
     x = torch.tensor([ids])
     outs = []
     if dense_prompt:
-        outs.append(model(x[:, :dense_prompt], torch.arange(dense_prompt)[None], cache, mode="dense"))
+        outs.append(model(x[:, :dense_prompt], torch.arange(dense_prompt)[None], cache))
     for t in range(dense_prompt, len(ids)):
-        outs.append(model(x[:, t:t + 1], torch.tensor([[t]]), cache, mode="step"))
+        outs.append(model(x[:, t:t + 1], torch.tensor([[t]]), cache))
     return torch.cat(outs, 1)[0]

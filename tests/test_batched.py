@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h2o_mini import api, perplexities, perplexity
-from h2o_mini.cache import ABSENT, KVCache
+from h2o_mini.cache import KVCache
 from h2o_mini.evals.ppl import full_logprobs, score_many, score_text
 from h2o_mini.policies import LOOKAHEAD, REGISTRY, H2O, Local, make_policy
 from h2o_mini.policies.rows import Rows
@@ -26,9 +26,9 @@ def _configs(length: int):
 
 
 def _alone(model, ids, policy, plan):
-    cache = KVCache(model.cfg, policy, 1, len(ids))
+    cache = KVCache(model.cfg, policy, 1, len(ids), prefill=plan[0][2])
     x = torch.tensor([ids])
-    return torch.cat([model(x[:, s:e], torch.arange(s, e)[None], cache, mode=m) for s, e, m in plan], 1)[0]
+    return torch.cat([model(x[:, s:e], torch.arange(s, e)[None], cache) for s, e, _ in plan], 1)[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -42,16 +42,17 @@ def test_every_row_of_a_batch_of_policies_equals_its_policy_alone(tiny_model, fa
     policies = _configs(T)
     plan = [(s, min(s + 9, 30), "stream") for s in range(0, 30, 9)] if prefill == "stream" else [(0, 30, "dense")]
     plan += [(t, t + 1, "step") for t in range(30, T)]
-    cache = KVCache(model.cfg, Rows([(p, 1) for p in policies]), len(policies), T)
+    cache = KVCache(model.cfg, Rows([(p, 1) for p in policies]), len(policies), T, prefill=prefill)
     x, pos = torch.tensor([ids] * len(policies)), torch.arange(T)[None].expand(len(policies), T)
     with torch.inference_mode():
-        got = torch.cat([model(x[:, s:e], pos[:, s:e], cache, mode=m) for s, e, m in plan], 1)
+        got = torch.cat([model(x[:, s:e], pos[:, s:e], cache) for s, e, _ in plan], 1)
         for row, policy in enumerate(policies):
             assert (got[row] - _alone(model, ids, policy, plan)).abs().max() <= 1e-4, policy
-    for i, layer in enumerate(cache.layers):  # each row holds its own capacity: the rest of its slots are absent
+    for i, layer in enumerate(cache.layers):  # each row holds its own capacity: its other slots stay empty
         for row, policy in enumerate(policies):
             room = min(policy.layer_capacity(i, model.cfg.n_layer, T), model.cfg.window(i) or T)
-            assert int((layer.pos[row] != ABSENT).sum(-1).max()) == room
+            assert int(layer.room[row].sum()) == room and int((layer.pos[row] >= 0).sum(-1).max()) == room
+            assert bool((layer.pos[row, :, room:] < 0).all())
 
 
 @pytest.mark.parametrize("family", ["llama_gqa_tied", "gemma3_hybrid"])

@@ -27,10 +27,13 @@ def _policy(name, recent):
 def _run(model, ids, policy, plan, kv_bits=None, dense_block=512, record=False):
     """Teacher-forced logits through KVCache. plan: list of (start, end, mode) covering the text. record: also
     return the keys and values each layer was given (`checkkit.record_kv`)."""
-    cache = KVCache(model.cfg, policy, 1, len(ids), kv_bits=kv_bits, dense_block=dense_block)
+    cache = KVCache(model.cfg, policy, 1, len(ids), prefill="dense" if plan[0][2] == "dense" else "stream",
+                    kv_bits=kv_bits)
+    for layer in cache.layers:
+        layer.dense_block = dense_block
     given = record_kv(cache) if record else None
     x = torch.tensor([ids])
-    out = [model(x[:, s:e], torch.arange(s, e)[None], cache, mode=m) for s, e, m in plan]
+    out = [model(x[:, s:e], torch.arange(s, e)[None], cache) for s, e, _ in plan]
     logits = torch.cat(out, 1)[0]
     return (logits, given) if record else logits
 
@@ -98,14 +101,14 @@ def test_ragged_batch_rows_match_each_prompt_alone(tiny_model, family, name, pre
     texts = [text_bytes(40, 100), text_bytes(23, 700), text_bytes(31, 1500), text_bytes(9, 2600)]
     prompts, follow = [t[:-8] for t in texts], [t[-8:] for t in texts]
     idx, pos = left_pad(prompts)
-    cache = KVCache(model.cfg, policy, len(texts), 40)
+    cache = KVCache(model.cfg, policy, len(texts), 40, prefill=prefill)
     chunk = 9
     plan = [(0, idx.shape[1])] if prefill == "dense" else [(s, s + chunk) for s in range(0, idx.shape[1], chunk)]
-    prompt_logits = torch.cat([model(idx[:, s:e], pos[:, s:e], cache, mode=prefill) for s, e in plan], 1)
+    prompt_logits = torch.cat([model(idx[:, s:e], pos[:, s:e], cache) for s, e in plan], 1)
     step_pos = pos[:, -1:] + 1
     steps = []
     for i in range(8):  # teacher-forced decode steps, every row its own next token
-        steps.append(model(torch.tensor([[f[i]] for f in follow]), step_pos + i, cache, mode="step"))
+        steps.append(model(torch.tensor([[f[i]] for f in follow]), step_pos + i, cache))
     for row, (p, text) in enumerate(zip(prompts, texts)):
         want = reference_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
         got = torch.cat([prompt_logits[row, -len(p):]] + [s[row] for s in steps])
@@ -146,7 +149,7 @@ class _Unlisted(Policy):
     def capacity(self) -> int:
         return self.keep
 
-    def keep_score(self, score, pos, t, keys=None):
+    def keep_score(self, score, pos, t, keys=None, values=None):
         return torch.where(pos < 2, torch.inf, score - 0.01 * (t - pos).float())  # sinks, then attention - age
 
 

@@ -77,11 +77,11 @@ def _kept(browser, panel: int) -> list[int]:
 
 def _cache_positions(lm, policy, ids, layer, head) -> list[int]:
     """The positions the real cache holds after reading `ids` (stream mode, chunks of 16), via the API."""
-    cache = KVCache(lm.model.cfg, policy, 1, len(ids))
+    cache = KVCache(lm.model.cfg, policy, 1, len(ids), prefill="stream")
     x = torch.tensor([ids])
     with torch.inference_mode():
         for s in range(0, len(ids), 16):
-            lm.model(x[:, s:s + 16], torch.arange(s, min(s + 16, len(ids)))[None], cache, mode="stream")
+            lm.model(x[:, s:s + 16], torch.arange(s, min(s + 16, len(ids)))[None], cache)
     pos = cache.layers[layer].pos[0, head]
     return sorted(pos[pos >= 0].tolist())
 

@@ -29,7 +29,7 @@ class _Recording:
         def __init__(self, cfg, i):
             self.cfg, self.window = cfg, cfg.window(i)
 
-        def attend(self, q, k, v, pos, mode):
+        def attend(self, q, k, v, pos):
             self.q, self.k = q[0], k[0]
             return causal_attention(q, k, v, pos, self.window, self.cfg.attn_scale, self.cfg.attn_softcap)
 
@@ -73,7 +73,7 @@ def test_choices_equal_a_plain_replay_of_the_rule(tiny_model, family):
     got = leave_times(model, IDS, policy)
     rec = _Recording(model.cfg)
     with torch.no_grad():
-        model(torch.tensor([IDS]), torch.arange(T)[None], rec, mode="dense")
+        model(torch.tensor([IDS]), torch.arange(T)[None], rec)
     evicted = 0
     for i, layer in enumerate(rec.layers):
         capacity = min(C, layer.window or T)
@@ -100,7 +100,7 @@ class Scheduled(Policy):
         object.__setattr__(copy, "leave", self.leave)  # the schedule: per layer, (H, T)
         return copy
 
-    def keep_score(self, score, pos, t, keys=None):
+    def keep_score(self, score, pos, t, keys=None, values=None):
         if not hasattr(self, "leave"):  # the protocol's own check when the policy is made: nothing protected
             return score
         return self.leave[self.layer][None].gather(2, pos.clamp(min=0)).float()  # (1, H, S)
@@ -114,10 +114,10 @@ def test_masked_evaluation_equals_the_cache_making_the_same_choices(tiny_model, 
     policy = make_policy("hindsight", C, T, 3)
     scheduled = Scheduled(C)
     object.__setattr__(scheduled, "leave", leave_times(model, IDS, policy))
-    cache = KVCache(model.cfg, scheduled, 1, T)
+    cache = KVCache(model.cfg, scheduled, 1, T, prefill="stream")
     x = torch.tensor([IDS])
     with torch.no_grad():
-        want = torch.cat([model(x[:, s:s + 16], torch.arange(s, min(T, s + 16))[None], cache, mode="stream")
+        want = torch.cat([model(x[:, s:s + 16], torch.arange(s, min(T, s + 16))[None], cache)
                           for s in range(0, T, 16)], 1)
         got = torch.cat([logits for _, logits in hindsight_logits(model, IDS, policy, chunk=16)], 1)
         full = model(x, torch.arange(T)[None])

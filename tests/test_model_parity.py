@@ -129,9 +129,9 @@ def test_full_on_a_sliding_window_model_holds_w_slots_and_equals_transformers(ti
     ids = text_bytes(40, 2500)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
-    cache = KVCache(model.cfg, Full(), 1, 40)
+    cache = KVCache(model.cfg, Full(), 1, 40, prefill=prefill)
     assert [layer.capacity for layer in cache.layers] == [w or 40 for w in model.cfg.windows]
     x = torch.tensor([ids])
-    got = [model(x[:, :30], torch.arange(30)[None], cache, mode=prefill)[0]]
-    got += [model(x[:, t:t + 1], torch.tensor([[t]]), cache, mode="step")[0] for t in range(30, 40)]
+    got = [model(x[:, :30], torch.arange(30)[None], cache)[0]]
+    got += [model(x[:, t:t + 1], torch.tensor([[t]]), cache)[0] for t in range(30, 40)]
     assert (torch.cat(got) - want).abs().max().item() <= 1e-4

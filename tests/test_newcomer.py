@@ -51,7 +51,7 @@ class _ProtectsAll(Policy):
     def capacity(self):
         return self.keep
 
-    def keep_score(self, score, pos, t, keys=None):
+    def keep_score(self, score, pos, t, keys=None, values=None):
         return torch.full_like(score, torch.inf)
 
 

@@ -40,15 +40,15 @@ def outputs(model, compiled: bool) -> dict:
         decoder = Decoder(model, chunk=7)
         cache = decoder.new_cache(policy, 1, T)
         x, pos = torch.tensor([IDS]), torch.arange(T)[None]
-        dense = [model(x[:, :N], pos[:, :N], cache, mode="dense")]
-        dense += [model(x[:, t:t + 1], pos[:, t:t + 1], cache, mode="step") for t in range(N, T)]
-        cache = decoder.new_cache(policy, 1, T)
-        stream = [model(x[:, s:s + 7], pos[:, s:s + 7], cache, mode="stream") for s in range(0, T, 7)]
+        dense = [model(x[:, :N], pos[:, :N], cache)]
+        dense += [model(x[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(N, T)]
+        cache = decoder.new_cache(policy, 1, T, "stream")
+        stream = [model(x[:, s:s + 7], pos[:, s:s + 7], cache) for s in range(0, T, 7)]
         out[name, "logits"] = torch.cat(dense + stream, 1)
         if name == "h2o":  # 4-bit keys and values: quantization groups lie within a head, so within a rank
             cache = Decoder(model, kv_bits=4).new_cache(policy, 1, T)
-            quantized = [model(x[:, :N], pos[:, :N], cache, mode="dense")]
-            quantized += [model(x[:, t:t + 1], pos[:, t:t + 1], cache, mode="step") for t in range(N, T)]
+            quantized = [model(x[:, :N], pos[:, :N], cache)]
+            quantized += [model(x[:, t:t + 1], pos[:, t:t + 1], cache) for t in range(N, T)]
             out[name, "logits4"] = torch.cat(quantized, 1)
         bench = make_policy(name, None if name == "full" else 8, 36)
         for prefill in ("dense", "stream"):

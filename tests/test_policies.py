@@ -7,7 +7,7 @@ import torch
 from h2o_mini import (H2O, REGISTRY, TOVA, Full, HeavyHitter, KeyDiff, KNorm, Local, PyramidKV, Scissorhands, Sinks,
                       SnapKV, UserError, make_policy)
 from h2o_mini.cache import KVCache
-from h2o_mini.policies.base import keep_scores
+from h2o_mini import prompt
 from h2o_mini.config import Config
 from h2o_mini.policies import capacity_for, parse_budget
 
@@ -18,6 +18,13 @@ CFG = Config(family="llama", vocab_size=8, n_layer=1, n_head=2, n_kv_head=1, d_m
              max_seq_len=64)
 
 
+def read_one(lc, q, k, v, pos, mode):
+    """One token into a layer: its decode step, or (mode "stream") the stream loop over a chunk of one."""
+    if mode == "stream":
+        return prompt.stream(lc, q, lc.codec.encode(k), lc.codec.encode(v), pos)
+    return lc.attend(q, k, v, pos)
+
+
 def uniform_steps(policy, n, mode):
     """Feed n tokens with q = 0 (uniform attention over the cache); returns the sorted cached positions and
     the scores after every step."""
@@ -25,7 +32,7 @@ def uniform_steps(policy, n, mode):
     seen = []
     for t in range(n):
         q, k, v = torch.zeros(1, 2, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)
-        cache.layers[0].attend(q, k, v, torch.tensor([[t]]), mode)
+        read_one(cache.layers[0], q, k, v, torch.tensor([[t]]), mode)
         lc = cache.layers[0]
         order = lc.pos[0, 0].argsort()
         kept = [(p, s) for p, s in zip(lc.pos[0, 0, order].tolist(), lc.score[0, 0, order].tolist()) if p >= 0]
@@ -53,18 +60,18 @@ def test_ties_evict_the_oldest(mode):
     lc = cache.layers[0]
     lc.pos[0, 0] = torch.tensor([5, 3, 7])  # slots hold positions out of order, as after evictions
     lc.score[0, 0] = torch.tensor([1.0, 1.0, 2.0])  # 5 and 3 tie for lowest: 3 is older
-    cache.layers[0].attend(torch.zeros(1, 2, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), torch.tensor([[8]]), mode)
+    read_one(lc, torch.zeros(1, 2, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), torch.tensor([[8]]), mode)
     assert sorted(lc.pos[0, 0].tolist()) == [5, 7, 8]
 
 
 def test_dense_ties_keep_the_newest():
     cache = KVCache(CFG, HeavyHitter(heavy=2), 1, 2)
     q = torch.zeros(1, 2, 4, 4)  # uniform causal attention over 4 prompt tokens
-    cache.layers[0].attend(q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None], "dense")
+    cache.layers[0].attend(q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None])
     # s = 2 * (1 + 1/2 + 1/3 + 1/4, 1/2 + 1/3 + 1/4, 1/3 + 1/4, 1/4): keep 0 and 1
     assert cache.layers[0].pos[0, 0].tolist() == [0, 1]
     cache = KVCache(CFG, Local(recent=2), 1, 2)
-    cache.layers[0].attend(q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None], "dense")
+    cache.layers[0].attend(q, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.arange(4)[None])
     assert cache.layers[0].pos[0, 0].tolist() == [2, 3]
 
 
@@ -76,10 +83,10 @@ def _conformance_run(model, policy, ids):
     for t, tok in enumerate(ids):
         before = []
         for lc in cache.layers:
-            keep = keep_scores(policy, lc.score, lc.pos, torch.tensor(t), lc.keys(), lc.codec.decode(lc.v))
+            keep = policy.keep_score(lc.score, lc.pos, torch.tensor(t), lc.keys(), lc.values())
             keep = keep.masked_fill(lc.pos < 0, -torch.inf)
             before.append((lc.pos.clone(), lc.pos[keep == torch.inf].tolist()))
-        logits.append(model(torch.tensor([[tok]]), torch.tensor([[t]]), cache, mode="step"))
+        logits.append(model(torch.tensor([[tok]]), torch.tensor([[t]]), cache))
         for lc, (old, protected) in zip(cache.layers, before):
             C = lc.capacity
             for h in range(lc.pos.shape[1]):
@@ -160,7 +167,7 @@ def _one_step(policy, pos, score, keys=None, q=None):
     if keys is not None:
         lc.k[0][0, 0] = torch.tensor(keys, dtype=torch.float32)
     q = torch.zeros(1, 2, 1, 4) if q is None else q
-    lc.attend(q, torch.tensor([[[[0.0, 0.0, 0.0, 1.0]]]]), torch.randn(1, 1, 1, 4), torch.tensor([[9]]), "step")
+    lc.attend(q, torch.tensor([[[[0.0, 0.0, 0.0, 1.0]]]]), torch.randn(1, 1, 1, 4), torch.tensor([[9]]))
     return lc.pos[0, 0].tolist(), lc.score[0, 0].tolist()
 
 

@@ -32,7 +32,6 @@ class VNorm(Policy):
     power: float = param(1.0, lo=0.5, hi=4.0)
     signed: bool = False
     name = "vnorm"
-    needs_values = True
     takes_recent = True
 
     @property
@@ -75,7 +74,7 @@ class Stateful(H2O):
     name = "stateful"
     calls = [0]
 
-    def keep_score(self, score, pos, t, keys=None):
+    def keep_score(self, score, pos, t, keys=None, values=None):
         self.calls[0] += 1
         return torch.where(pos > t - self.recent, torch.inf, score + (self.calls[0] % 3) * pos.float())
 
@@ -85,7 +84,7 @@ class AcrossRows(H2O):
     """Reads the other rows of the batch: exact alone, wrong beside other sequences."""
     name = "across_rows"
 
-    def keep_score(self, score, pos, t, keys=None):
+    def keep_score(self, score, pos, t, keys=None, values=None):
         return torch.where(pos > t - self.recent, torch.inf, score - 0.5 * score.mean(0, keepdim=True))
 
 

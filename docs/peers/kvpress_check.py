@@ -68,7 +68,7 @@ def ours(lm_model, ids: list[int], press: str, n_kept: int, aligned: bool = Fals
     policy = make_policy(f"{name}:" + ",".join(f"{k}={v}" for k, v in params(n_kept).items()), n_kept, T)
     cache = KVCache(lm_model.cfg, policy, 1, T)
     with torch.no_grad():
-        lm_model(torch.tensor([ids[:T]]), torch.arange(T)[None], cache, mode="dense", last_only=True)
+        lm_model(torch.tensor([ids[:T]]), torch.arange(T)[None], cache, last_only=True)
     kept = [layer.pos[0].sort(-1).values for layer in cache.layers]  # (H, C_layer)
     leave = []
     for positions in kept:

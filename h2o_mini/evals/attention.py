@@ -23,8 +23,7 @@ def accumulated_attention(model: Transformer, ids: list[int], layers: list[int])
     N = len(ids)
     device = next(model.parameters()).device
     cache = KVCache(model.cfg, HeavyHitter(heavy=N), 1, N, dtype=next(model.parameters()).dtype, device=device)
-    model(torch.tensor([ids], device=device), torch.arange(N, device=device)[None], cache, mode="dense",
-          last_only=True)
+    model(torch.tensor([ids], device=device), torch.arange(N, device=device)[None], cache, last_only=True)
     return {layer: cache.layers[layer].score[0].sum(0).cpu() for layer in layers}  # kept in position order
 
 

@@ -81,13 +81,13 @@ def teacher_forced(decoder: Decoder, policy, ids: list[list[int]], ref: torch.Te
     model = decoder.model
     idx, pos = left_pad(ids, device=ref.device)
     N = ref.shape[1]
-    cache = decoder.new_cache(policy, len(ids), idx.shape[1] + N)
-    yield 0, decoder.prefill(cache, idx, pos, prefill, head=False)[:, None]  # (B, 1, d): predicts ref[:, 0]
+    cache = decoder.new_cache(policy, len(ids), idx.shape[1] + N, prefill)
+    yield 0, decoder.prefill(cache, idx, pos, head=False)[:, None]  # (B, 1, d): predicts ref[:, 0]
     start = pos[:, -1:] + 1  # (B, 1): each row's next position
     for s in range(0, N - 1, chunk):
         e = min(N - 1, s + chunk)
         positions = start + torch.arange(s, e, device=ref.device)[None]
-        yield s + 1, model.hidden(ref[:, s:e], positions, cache, "stream")  # predicts ref[:, s+1..e]
+        yield s + 1, model.hidden(ref[:, s:e], positions, cache)  # predicts ref[:, s+1..e]
 
 
 def fidelity(decoder: Decoder, full: Policy, policy, ids: list[list[int]], ref: torch.Tensor, prefill: str,

@@ -32,7 +32,7 @@ from ..api import LM
 from ..errors import UserError
 from ..generate import Decoder
 from ..policies import make_policy
-from ..policies.base import check_causal
+from ..policies.base import refuse_lookahead
 from .ppl import teacher_forced
 
 
@@ -45,7 +45,7 @@ class PolicyLM(TemplateLM):
         self.lm, self.policy, self.budget, self.recent, self.prefill = lm, policy, budget, recent, prefill
         self.batch_size = batch_size
         self.decoder = Decoder(lm.model, compile=compile, chunk=chunk, kv_bits=kv_bits)
-        check_causal(make_policy(policy, budget, 1000, recent))  # a bad policy fails here, before any request
+        refuse_lookahead(make_policy(policy, budget, 1000, recent))  # a bad policy fails here, before any request
         self.kv_bytes = 0  # the largest cache one request has held (one row)
 
     def policy_for(self, length: int):

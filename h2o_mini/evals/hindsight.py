@@ -55,7 +55,7 @@ class _Chooser:
         self.capacity = min(policy.layer_capacity(layer, cfg.n_layer, length), self.window or length)
         self.leave: torch.Tensor | None = None
 
-    def attend(self, q, k, v, pos, mode):
+    def attend(self, q, k, v, pos):
         self.leave = self.choose(q[0], k[0])
         return causal_attention(q, k, v, pos, self.window, self.scale, self.cap)
 
@@ -107,7 +107,7 @@ class _Masked:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.n = 0
 
-    def attend(self, q, k, v, pos, mode):
+    def attend(self, q, k, v, pos):
         s, e = self.n, self.n + k.shape[2]
         self.k[:, s:e], self.v[:, s:e] = k[0], v[0]
         self.n = e
@@ -130,7 +130,7 @@ def leave_times(model: Transformer, ids: list[int], policy: Policy) -> list[torc
     p = next(model.parameters())
     x = torch.tensor([ids], device=p.device)
     choosers = [_Chooser(model, policy, i, x.shape[1]) for i in range(model.cfg.n_layer)]
-    model(x, torch.arange(x.shape[1], device=p.device)[None], _Layers(choosers), mode="dense", last_only=True)
+    model(x, torch.arange(x.shape[1], device=p.device)[None], _Layers(choosers), last_only=True)
     return [c.leave for c in choosers]
 
 
@@ -144,7 +144,7 @@ def masked_logits(model: Transformer, ids: list[int], leave: list[torch.Tensor],
     pos = torch.arange(x.shape[1], device=p.device)[None]
     cache = _Layers([_Masked(model.cfg, i, table, p.dtype, p.device) for i, table in enumerate(leave)])
     for s in range(0, x.shape[1], chunk):
-        yield s, model(x[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")
+        yield s, model(x[:, s:s + chunk], pos[:, s:s + chunk], cache)
 
 
 def hindsight_logits(model: Transformer, ids: list[int], policy: Policy, chunk: int = 256

@@ -3,7 +3,7 @@
 Every token is scored in `stream` mode, i.e. as if the text were generated one token at a time through the
 evicting cache (spec: "Evaluation scores every token under this mode"). The text goes through the model in
 chunks: each layer computes q, k, v for the whole chunk at once and runs only the small per-token
-eviction loop sequentially (`cache.LayerCache._stream`), which equals one token at a time.
+eviction loop sequentially (`prompt.stream`), which equals one token at a time.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..generate import Decoder, left_pad
 from ..model import Transformer
 from ..parallel import kv_bytes
-from ..policies import H2O, Policy, recent_if_taken
+from ..policies import Policy, recent_if_taken
 from ..policies.base import keeps_all_of
 from ..policies.rows import Rows
 from ..quant import check_kv_bits
@@ -50,9 +50,9 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
             raise UserError(f"policy {policy.name!r} is evaluated with keys and values as the model computes them: "
                             "leave out --kv-bits")
         logits = hindsight_logits(model, ids, policy, chunk)
-        slots = decoder.cache_bytes(H2O(**policy.params()), 1, T)  # what a cache of its capacities holds
     else:
-        logits, slots = teacher_forced(decoder, policy, [ids]), decoder.cache_bytes(policy, 1, T)
+        logits = teacher_forced(decoder, policy, [ids])
+    slots = decoder.cache_bytes(policy, 1, T)  # hindsight: what a cache of its capacities holds
     chunks = tqdm(logits, total=-(-T // chunk), desc=f"eval {policy.name}", unit="chunk",
                   disable=None if progress else True, leave=False)
     # Each chunk is scored as it comes and dropped: at a 262k vocabulary (Gemma) a (T, V) tensor is GBs.
@@ -87,13 +87,13 @@ def score_many(model: Transformer, ids: list[int], policies: list[Policy], refer
     for at in range(0, len(rest), max_batch):
         batch = rest[at:at + max_batch]
         t0, n = time.perf_counter(), len(batch)
-        cache = decoder.new_cache(Rows([(policies[i], 1) for i in batch]), n, T)
+        cache = decoder.new_cache(Rows([(policies[i], 1) for i in batch]), n, T, "stream")
         sums = torch.zeros(n, 3, dtype=torch.float64)  # per row: NLL, top-1 agreements, KL(full || policy)
         bar = tqdm(range(0, T, chunk), desc=f"eval {n} policies", unit="chunk", disable=None if progress else True,
                    leave=False)
         for s in bar:
             idx = x[:, s:s + chunk].expand(n, -1)  # (n, k): the same tokens in every row
-            h = model.hidden(idx, torch.arange(s, s + idx.shape[1], device=device).expand(n, -1), cache, "stream")
+            h = model.hidden(idx, torch.arange(s, s + idx.shape[1], device=device).expand(n, -1), cache)
             for b, e in blocks(s, h.shape[1], T):  # the head one row and block at a time: never (n, k, V)
                 for r in range(n):
                     tally(sums[r], model.head(h[r, b - s:e - s]), x[0, b + 1:e + 1], reference[b:e])
@@ -147,12 +147,12 @@ def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> I
     model, chunk = decoder.model, decoder.chunk
     idx, pos = left_pad(rows, device=next(model.parameters()).device)
     T = idx.shape[1]
-    cache = decoder.new_cache(policy, idx.shape[0], T)
-    if not cache.evicts:
-        yield 0, model(idx, pos) if decoder.kv_bits is None else model(idx, pos, cache, mode="dense")
+    cache = decoder.new_cache(policy, idx.shape[0], T, "stream")
+    if not cache.evicts:  # one pass: with the cache if it quantizes (attention reads K and V as stored)
+        yield 0, model(idx, pos) if decoder.kv_bits is None else model(idx, pos, cache)
         return
     for s in range(0, T, chunk):
-        yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache, mode="stream")
+        yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache)
 
 
 def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", budget=None, recent=None,

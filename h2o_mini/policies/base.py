@@ -1,45 +1,24 @@
-"""The eviction-policy protocol, the registry's parameter rules, and the budget rules of `docs/spec.md`.
+"""The eviction-policy protocol (the contract, with every hook and when it runs: `docs/spec.md`), the
+parameter rules of a policy's fields, and the budget rules.
 
-How the cache uses a policy (`cache.py`; the contract is `docs/spec.md`): every layer, batch row and KV head
-holds at most C tokens. When token t arrives and the cache is full, the cache asks the policy for a
-*keep-score* of every cached token and overwrites the lowest one (ties: the oldest). Every cached token
-carries one fp32 `score` that the policy alone interprets. A policy is a frozen dataclass of parameters (all
-state lives in the cache) with these hooks; each has a default that is H2O's behaviour:
+A policy is a frozen dataclass of parameters; all state lives in the cache. The one hook every rule writes is
+`keep_score(score, pos, t, keys=None, values=None)`: higher keeps, +inf protects; the cache evicts the lowest
+(ties: the oldest). Every other hook has H2O's behaviour as its default. The class flags, each for one reason:
 
-* `capacity`: C, the tokens kept per (layer, row, KV head); `None` means "the whole sequence".
-  `layer_capacity(layer, n_layer, length)` may give each layer its own share (PyramidKV), and
-  `for_layer(layer, n_layer)` the policy that layer runs (a per-layer rule; default: this one).
-* `keep_score(score, pos, t, keys, values)`: higher means keep, +inf = protected. Inputs: the cached tokens'
-  scores (fp32) and original positions (int64; < 0: an empty slot), both (B, n_kv_head, S), the
-  arriving position `t` broadcastable to them, and their keys / values (B, n_kv_head, S, head_dim) as
-  attention reads them if the class sets `needs_keys` / `needs_values` (else None; `values` is passed only
-  to a class that sets `needs_values`). Pure tensor code, no `.item()` and no Python branch on values, so it
-  runs inside the compiled decode step. Keep-scores are element-wise per slot unless the class sets
-  `needs_keys`, `needs_values` or `across_slots`: only then are all non-cached slots guaranteed a position < 0
-  (the stream loop's virtual slots), so that a rule across slots (a mean key, a page's sum) can skip them.
-* `insert_score(keys)`: the score a token enters with, from its key (B, H, T, hd) -> (B, H, T); H2O: 0.
-* `update(score, p, attended)`: what ONE query does to the scores, (B, H, S) each: p its fp32 attention
-  summed over the GQA group (0 where it did not attend), attended which tokens it attended. H2O: s + p.
-  Called only if `needs_scores` (only then are attention probabilities computed explicitly).
-  `accumulate(score, probs, attended)` applies Q consecutive queries (B, H, Q, S) in order; its default
-  calls `update` once per query, and a policy may override it with a closed form for speed (H2O's sum is
-  built in); `h2o-mini check-policy` checks that the two agree.
-* Dense prefill: the scores are `accumulate` over the prompt's queries, only the last `prompt_window` of
-  them if it is set (SnapKV's observation window), then `prompt_score` (SnapKV pools them); then the C
-  prompt tokens with the highest keep-score at the last prompt position stay.
-
-A policy that reads the text ahead sets `lookahead` (`hindsight.py`): the cache refuses it (`check_causal`), and only
-the evaluation that has the whole text runs it (`evals/hindsight.py`).
+* `needs_scores`: the rule reads attention, so the cache computes fp32 probabilities and calls `update`
+  (a rule that reads none keeps SDPA's fused attention and never pays for them).
+* `takes_budget`: False for a policy that keeps every token (`full`), so `--budget` is refused for it.
+* `takes_recent`: `--recent` means something to it (it splits C into a protected window and the rest).
+* `lookahead`: it reads the text ahead (`hindsight`): commands that run a text causally refuse it
+  (`refuse_lookahead`), and only the evaluation that has the whole text runs it (`evals/hindsight.py`).
 
 Parameters are the dataclass fields: int, float or bool, checked by their annotations when the policy is
 made (an int is >= 0 unless its range says otherwise; a float is finite); `param(default, lo=, hi=)`
-declares a range. `from_budget(capacity, recent)` maps `--budget`/`--recent` onto them (`takes_budget`:
-False for a policy that keeps everything; `takes_recent`: whether --recent means anything to it); the CLI
-sets any other field by name (`--policy a2sf:gamma=0.9`). A policy whose every slot is protected at the first
-eviction (so the arriving token could not be placed) is refused when it is made.
+declares a range.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -61,12 +40,13 @@ def param(default=MISSING, *, lo: float | None = None, hi: float | None = None):
 class Policy:
     name: ClassVar[str] = ""
     needs_scores: ClassVar[bool] = False  # update/accumulate see attention probabilities
-    needs_keys: ClassVar[bool] = False  # keep_score reads the cached keys
-    needs_values: ClassVar[bool] = False  # keep_score reads the cached values
-    across_slots: ClassVar[bool] = False  # keep_score reads other slots (their scores or positions), not one alone
     takes_recent: ClassVar[bool] = False  # whether --recent splits C for this policy
     takes_budget: ClassVar[bool] = True  # False: the policy keeps every token (full)
     lookahead: ClassVar[bool] = False  # True: it reads the text ahead (hindsight), so only an evaluation runs it
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        check_signature(cls)
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -85,7 +65,7 @@ class Policy:
         cpu = torch.device("cpu")  # explicit: a test may have set another default device
         pos = torch.arange(C, device=cpu)[None, None]  # (1, 1, C)
         kv = torch.randn(1, 1, C, 8, generator=torch.Generator().manual_seed(0), device=cpu)
-        keep = keep_scores(self, torch.zeros(1, 1, C, device=cpu), pos, torch.tensor(C, device=cpu), kv, kv)
+        keep = self.keep_score(torch.zeros(1, 1, C, device=cpu), pos, torch.tensor(C, device=cpu), kv, kv)
         return bool((keep == torch.inf).all())
 
     @property
@@ -106,7 +86,10 @@ class Policy:
         return None
 
     def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor,
-                   keys: torch.Tensor | None = None) -> torch.Tensor:
+                   keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+        """score, pos: (B, H, S) the slots' fp32 scores and original positions (< 0: no token there); t: the
+        arriving position, broadcastable to them; keys, values: (B, H, S, hd) as attention reads them. Returns
+        (B, H, S): higher keeps, +inf protects. Pure tensor code (it runs inside the compiled step)."""
         raise NotImplementedError
 
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
@@ -141,22 +124,21 @@ class Policy:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def keep_scores(policy: Policy, score, pos, t, keys=None, values=None) -> torch.Tensor:
-    """The policy's keep-scores, called as the protocol says: keys only to a policy that `needs_keys`, values
-    (by keyword) only to one that `needs_values`. Every caller (the cache's paths, the references) uses this."""
-    keys = keys if policy.needs_keys else None
-    if policy.needs_values:
-        return policy.keep_score(score, pos, t, keys, values=values)
-    return policy.keep_score(score, pos, t, keys)
-
-
 def keeps_all_of(policy: Policy, length: int) -> bool:
     """Whether the policy keeps every token of a sequence of `length` (its C, the mean over layers, covers it).
     Such a row is run alone, not batched with others (`Rows`): its slots would widen every row's."""
     return (policy.capacity or length) >= length
 
 
-def check_causal(policy: Policy) -> None:
+def check_signature(cls: type) -> None:
+    """A rule written for the old protocol (keep_score without `values`) gets one line saying what changed."""
+    params = inspect.signature(cls.keep_score).parameters
+    if "values" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise UserError(f"{cls.__name__}.keep_score must take (self, score, pos, t, keys=None, values=None): every "
+                        "rule now gets the cached keys and values (the needs_keys / needs_values flags are gone)")
+
+
+def refuse_lookahead(policy: Policy) -> None:
     """Refuses a policy that reads the text ahead (hindsight) wherever tokens are taken one at a time."""
     if policy.lookahead:
         raise UserError(f"policy {policy.name!r} reads the text ahead (it keeps what future queries will attend), "

@@ -20,7 +20,8 @@ class Full(Policy):
     def capacity(self) -> None:
         return None
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return pos.float()
 
     @classmethod

@@ -37,7 +37,8 @@ class H2O(Policy):
     def capacity(self) -> int:
         return self.heavy + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         recent_window = pos > t - self.recent  # the r-1 newest cached tokens (t itself is not cached yet)
         return torch.where(recent_window, torch.inf, score)
 

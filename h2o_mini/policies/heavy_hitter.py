@@ -25,7 +25,8 @@ class HeavyHitter(Policy):
     def capacity(self) -> int:
         return self.heavy
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return score
 
     @classmethod

@@ -25,13 +25,13 @@ class KeyDiff(Policy):
 
     keep: int
     name = "keydiff"
-    needs_keys = True
 
     @property
     def capacity(self) -> int:
         return self.keep
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         unit = F.normalize(keys.float(), dim=-1)  # (B, H, S, hd)
         cached = (pos >= 0)[..., None]  # (B, H, S, 1)
         anchor = (unit * cached).sum(2, keepdim=True) / cached.sum(2, keepdim=True).clamp(min=1)  # (B, H, 1, hd)

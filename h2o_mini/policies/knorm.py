@@ -34,7 +34,8 @@ class KNorm(Policy):
         # rotates them) up to rounding, and must tie, so that the older goes first on every code path
         return -keys.double().norm(dim=-1).bfloat16().float()  # (B, H, T); fp64: no path rounds across a bf16 step
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return score
 
     @classmethod

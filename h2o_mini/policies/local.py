@@ -23,7 +23,8 @@ class Local(Policy):
     def capacity(self) -> int:
         return self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return pos.float()  # the lowest position, i.e. the oldest token, goes first
 
     @classmethod

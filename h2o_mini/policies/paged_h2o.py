@@ -29,9 +29,9 @@ class PagedH2O(H2O):
 
     block: int = param(16, lo=1)
     name = "paged_h2o"
-    across_slots = True  # a keep-score reads the other cached tokens of its block
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         page = torch.where(pos >= 0, torch.div(pos, self.block, rounding_mode="floor"), -1)  # (B, H, S)
         order = page.argsort(dim=-1, stable=True)
         sorted_page = page.gather(-1, order)

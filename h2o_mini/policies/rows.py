@@ -11,18 +11,19 @@ compute-bound, one pass of n rows costs about what n passes do; see docs/benchma
 Why a row's result cannot depend on the other rows: every hook of the protocol is a function of one row's
 tensors (scores, positions, keys, values and attention of that row only; `docs/spec.md`), the cache's
 mechanics are per row (the argmin, the softmax and the compaction run along the slot axis), and each row
-has its own capacity in every layer (slots past it are marked absent, `cache.ABSENT`, and never filled).
+has its own capacity in every layer (the cache gives every row its own number of slots, as a tensor).
 What rows share is only the batched arithmetic of the linear layers, which computes each row on its own.
 """
 from __future__ import annotations
 
 import torch
 
-from .base import Policy, keep_scores
+from .base import Policy
 
 
 class Rows:
-    """`parts`: (policy, number of rows) in batch order. Duck-types `Policy` for `cache.py`."""
+    """`parts`: (policy, number of rows) in batch order. Stands where the cache expects a `Policy`: the hooks
+    the cache reads per row (`layer_capacity`, `prompt_window`) answer with one value per row."""
 
     def __init__(self, parts: list[tuple[Policy, int]]):
         if not parts or any(n < 1 for _, n in parts):
@@ -32,23 +33,21 @@ class Rows:
         self.batch = sum(self.sizes)
         self.policies = policies = [p for p, _ in self.parts]
         self.name = "+".join(dict.fromkeys(p.name for p in policies))
-        for flag in ("needs_scores", "needs_keys", "needs_values", "across_slots", "lookahead"):
+        for flag in ("needs_scores", "lookahead"):
             setattr(self, flag, any(getattr(p, flag) for p in policies))
 
     def __repr__(self) -> str:
         return f"Rows({', '.join(f'{p} x{n}' for p, n in self.parts)})"
 
-    def row_capacities(self, layer: int, n_layer: int, length: int) -> list[int]:
-        """Slots each row holds in `layer` (its policy's `layer_capacity`), in batch order."""
-        return [c for p, n in self.parts for c in [p.layer_capacity(layer, n_layer, length)] * n]
 
     @property
     def capacity(self) -> int | None:
         caps = [p.capacity for p in self.policies]
         return None if None in caps else max(caps)
 
-    def layer_capacity(self, layer: int, n_layer: int, length: int) -> int:
-        return max(self.row_capacities(layer, n_layer, length))
+    def layer_capacity(self, layer: int, n_layer: int, length: int) -> list[int]:
+        """Slots each row holds in `layer` (its policy's `layer_capacity`), in batch order."""
+        return [c for p, n in self.parts for c in [p.layer_capacity(layer, n_layer, length)] * n]
 
     def for_layer(self, layer: int, n_layer: int) -> "Rows":
         return Rows([(p.for_layer(layer, n_layer), n) for p, n in self.parts])
@@ -60,7 +59,7 @@ class Rows:
         return zip(self.policies, zip(*pieces))
 
     def keep_score(self, score, pos, t, keys=None, values=None) -> torch.Tensor:
-        return torch.cat([keep_scores(policy, s, p, tt, k, v)
+        return torch.cat([policy.keep_score(s, p, tt, k, v)
                           for policy, (s, p, tt, k, v) in self._split(score, pos, t, keys, values)])
 
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
@@ -70,7 +69,8 @@ class Rows:
         return torch.cat([policy.accumulate(s, p, a) if policy.needs_scores else s
                           for policy, (s, p, a) in self._split(score, probs, attended)])
 
-    def prompt_windows(self) -> list[int | None]:
+    @property
+    def prompt_window(self) -> list[int | None]:
         """Dense prefill: each row's `prompt_window` (the cache scores each row's own last queries)."""
         return [p.prompt_window for p, n in self.parts for _ in range(n)]
 

@@ -57,7 +57,8 @@ class Scissorhands(Policy):
     def capacity(self) -> int:
         return self.heavy + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         important = popcount(score.to(torch.int32))  # set bits of the history window (all it holds)
         return torch.where(pos > t - self.recent, torch.inf, important.float())
 

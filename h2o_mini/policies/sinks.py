@@ -27,7 +27,8 @@ class Sinks(Policy):
     def capacity(self) -> int:
         return self.sink + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return torch.where(pos < self.sink, torch.inf, pos.float())
 
     @classmethod

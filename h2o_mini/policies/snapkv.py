@@ -47,7 +47,8 @@ class SnapKV(Policy):
     def prompt_window(self) -> int:
         return max(self.window, 1)
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return torch.where(pos > t - self.window, torch.inf, score)
 
     def prompt_score(self, score: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ class TOVA(Policy):
     def capacity(self) -> int:
         return self.keep
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
+                   values=None) -> torch.Tensor:
         return score
 
     def update(self, score: torch.Tensor, p: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:

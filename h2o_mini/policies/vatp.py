@@ -26,7 +26,6 @@ class VATP(H2O):
     outside the recent window (ties: the oldest)."""
 
     name = "vatp"
-    needs_values = True
 
     def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
                    values=None) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 VOCAB = 256
-# docs/gpu/run.sh runs the parity tests on a GPU: every tensor a test makes lands there, models are loaded there
+# scripts/gpu/run.sh runs the parity tests on a GPU: every tensor a test makes lands there, models are loaded there
 TEST_DEVICE = os.environ.get("H2O_MINI_TEST_DEVICE", "cpu")
 if TEST_DEVICE != "cpu":  # (a default-device mode costs every op a little, so only when asked)
     torch.set_default_device(TEST_DEVICE)

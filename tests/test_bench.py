@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2o_mini import api, bench
+from h2o_mini import api
+from h2o_mini.tools import benchmark as bench
 
 from .test_cli import assert_one_line_error, run
 
@@ -90,10 +91,10 @@ def test_bad_bench_plot_and_batches(folder, tmp_path):
 
 
 def test_the_gpu_script_runs_dry_on_cpu(folder, tmp_path):
-    """docs/gpu/run.sh --dry-run: every step of the GPU run (parity tests, the bench curve and plot, the
+    """scripts/gpu/run.sh --dry-run: every step of the GPU run (parity tests, the bench curve and plot, the
     OPT-shaped latency/throughput runs, policies batched as rows) on CPU with tiny shapes, so the script does not
     rot before a GPU runs it."""
-    script = Path(__file__).resolve().parent.parent / "docs/gpu/run.sh"
+    script = Path(__file__).resolve().parent.parent / "scripts/gpu/run.sh"
     # from another folder, with no venv on PATH: the script must use the interpreter it is given
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if not Path(p, "h2o-mini").exists() and not Path(p, "pytest").exists())
@@ -118,7 +119,7 @@ def test_the_gpu_script_runs_dry_on_cpu(folder, tmp_path):
 
 def test_the_gpu_script_fails_loudly(tmp_path):
     """A step that fails stops the script with a non-zero exit and a line on stderr naming where."""
-    script = Path(__file__).resolve().parent.parent / "docs/gpu/run.sh"
+    script = Path(__file__).resolve().parent.parent / "scripts/gpu/run.sh"
     r = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHON": str(tmp_path / "no-such-python")})
-    assert r.returncode != 0 and "docs/gpu/run.sh: failed" in r.stderr
+    assert r.returncode != 0 and "scripts/gpu/run.sh: failed" in r.stderr

@@ -185,7 +185,7 @@ def test_sweep_ppl_resumes_and_plots(folder, tmp_path, capsys, monkeypatch):
 
     def counting(kind, todo, run_points, *a, **kw):
         return real(kind, todo, lambda points: ran.extend(points) or run_points(points), *a, **kw)
-    monkeypatch.setattr("h2o_mini.cli.sweep.run_sweep", counting)
+    monkeypatch.setattr("h2o_mini.cli.eval_sweep.run_sweep", counting)
     code, stdout, err = run_cli(capsys, monkeypatch, *args, "--plot", png)
     assert code == 0, err
     assert ran == [("local", "0.5"), ("h2o", "0.25"), ("h2o", "0.5")]  # the first two were skipped

@@ -73,7 +73,7 @@ def test_sinks_with_no_recent_share_is_refused_on_the_cli(folder, capsys, monkey
 # ---- bench: Ctrl-C before any configuration finished; out of memory ----
 
 def test_ctrl_c_in_bench_before_any_row_says_how_far_it_got(folder, capsys, monkeypatch):
-    from h2o_mini import bench
+    from h2o_mini.tools import benchmark as bench
 
     def interrupted(*a, status=None, **kw):
         status["stage"] = "decode step 3 of 7"
@@ -86,7 +86,7 @@ def test_ctrl_c_in_bench_before_any_row_says_how_far_it_got(folder, capsys, monk
 
 
 def test_out_of_memory_is_one_line_naming_the_size_and_what_to_lower(folder, capsys, monkeypatch):
-    from h2o_mini import bench
+    from h2o_mini.tools import benchmark as bench
     try:
         torch.empty(2**62, dtype=torch.uint8)  # past any address space: torch's own allocator error
         pytest.skip("this machine allocated 4 EiB")
@@ -257,7 +257,7 @@ def test_a_plot_of_mixed_budget_kinds_is_refused(folder, tmp_path, capsys, monke
 # ---- plots that do not mislead ----
 
 def test_log_axes_read_as_plain_numbers():
-    from h2o_mini.plot import figure, plain_log_axis
+    from h2o_mini.tools.plot import figure, plain_log_axis
     plt, fig, (ax,) = figure(1, (4, 3))
     ax.plot([0.05, 0.1, 0.2], [21.0, 35.0, 48.0])
     ax.set_xscale("log")
@@ -272,7 +272,7 @@ def test_log_axes_read_as_plain_numbers():
 
 
 def test_the_needle_colour_bar_labels_fit_in_the_picture(tmp_path):
-    from h2o_mini.plot import heatmap_figure
+    from h2o_mini.tools.plot import heatmap_figure
     plt, fig = heatmap_figure({"h2o 0.2 (dense)": {(0.1, 1024): 1.0, (0.9, 1024): 0.0}}, "a title")
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

@@ -16,8 +16,8 @@ from .. import api, parallel
 from ..errors import UserError, out_of_memory
 from ..files import check_output, read_prompts, read_text
 from ..generate import Sampling
-from ..plot import kept_matrices, save_kept_plot
-from ..bench import DEFAULT_TEXT
+from ..tools.plot import kept_matrices, save_kept_plot
+from ..tools.benchmark import DEFAULT_TEXT
 from ..policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from ..policies.plugins import PluginError, installed
 from ..weights.prepared import MODELS
@@ -26,7 +26,7 @@ from .check import check_policy
 from .explore import explore
 from .eval import eval_
 from .eval_generate import eval_generate
-from .sweep import sweep
+from .eval_sweep import sweep
 from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
                       model_options, policy_options, sampling_options)
 

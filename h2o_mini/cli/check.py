@@ -34,7 +34,7 @@ def check_policy(spec, budget, recent, families, as_json):
     mask. Also checks that a closed-form `accumulate` equals `update` applied query by query. Prints the largest
     logit difference of each path (passes at <= 1e-4); exits 1 if any path fails. About five seconds per family
     on 2 CPU cores."""
-    from ..checkkit import FAMILIES, TOL, check_policy as run_checks
+    from ..tools.checkkit import FAMILIES, TOL, check_policy as run_checks
     chosen = [f.strip() for f in families.split(",") if f.strip()]
     unknown = [f for f in chosen if f not in FAMILIES]
     if unknown or not chosen:

@@ -10,10 +10,10 @@ from .. import api
 from ..evals.generation import BUILTIN, Prompts, evaluate_many
 from ..files import read_prompts
 from ..generate import Sampling
-from ..plot import save_generation_plot
+from ..tools.plot import save_generation_plot
 from .eval import repeatable_policies
 from .options import COUNT, model_options, sampling_options
-from .sweep import _sweep, check_plot, settings
+from .eval_sweep import _sweep, check_plot, settings
 
 HEADER = f"{'policy':<14}{'budget':>8}{'nll':>9}{'kl_full':>9}{'agree':>8}{'agree %':>9}{'KV MiB':>9}"
 

@@ -73,7 +73,7 @@ def policy_for(spec, budget, length: int, recent) -> Policy:
 
 
 @torch.inference_mode()
-def teacher_forced(decoder: Decoder, policy, ids: list[list[int]], ref: torch.Tensor, prefill: str, chunk: int = 64):
+def read_reference(decoder: Decoder, policy, ids: list[list[int]], ref: torch.Tensor, prefill: str, chunk: int = 64):
     """Yields (start, hidden (B, k, d)) for the reference tokens ref[:, start:start+k] read under `policy` (or
     `Rows`), after the prompts (left-padded rows): the prompts in `prefill` mode, then the reference in stream
     mode (the decode step's rule, a chunk at a time: equal by the cache's parity tests). The last layer's output,
@@ -98,8 +98,8 @@ def fidelity(decoder: Decoder, full: Policy, policy, ids: list[list[int]], ref: 
     P, N, head = len(ids), ref.shape[1], decoder.model.head
     nll = torch.zeros(P * copies, dtype=torch.float64)
     kl = torch.zeros(P * copies, dtype=torch.float64)
-    for (s, mine), (_, theirs) in zip(teacher_forced(decoder, policy, ids * copies, ref.repeat(copies, 1), prefill),
-                                      teacher_forced(decoder, full, ids, ref, prefill)):
+    for (s, mine), (_, theirs) in zip(read_reference(decoder, policy, ids * copies, ref.repeat(copies, 1), prefill),
+                                      read_reference(decoder, full, ids, ref, prefill)):
         # every row's head on its own, full's as the policy's: under full itself both are the same numbers
         lq = [head(theirs[r]).log_softmax(-1) for r in range(P)]  # (k, V) each
         target = ref[:, s:s + theirs.shape[1]]  # (P, k)

@@ -33,7 +33,7 @@ from ..errors import UserError
 from ..generate import Decoder
 from ..policies import make_policy
 from ..policies.base import refuse_lookahead
-from .ppl import teacher_forced
+from .ppl import read_logits
 
 
 class PolicyLM(TemplateLM):
@@ -111,7 +111,7 @@ class PolicyLM(TemplateLM):
         T = max(len(inp) for inp, _ in rows)
         tail = max(len(cont) for _, cont in rows)  # only the last `tail` positions are ever needed
         parts = [logits[:, max(0, T - tail - s):].log_softmax(-1)
-                 for s, logits in teacher_forced(self.decoder, policy, [inp for inp, _ in rows])
+                 for s, logits in read_logits(self.decoder, policy, [inp for inp, _ in rows])
                  if s + logits.shape[1] > T - tail]
         logprobs = torch.cat(parts, 1)[:, -tail:]  # (B, tail, V)
         results = []

@@ -51,7 +51,7 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
                             "leave out --kv-bits")
         logits = hindsight_logits(model, ids, policy, chunk)
     else:
-        logits = teacher_forced(decoder, policy, [ids])
+        logits = read_logits(decoder, policy, [ids])
     slots = decoder.cache_bytes(policy, 1, T)  # hindsight: what a cache of its capacities holds
     chunks = tqdm(logits, total=-(-T // chunk), desc=f"eval {policy.name}", unit="chunk",
                   disable=None if progress else True, leave=False)
@@ -139,7 +139,7 @@ def full_logprobs(model: Transformer, ids: list[int]) -> torch.Tensor:
     return model(x, torch.arange(x.shape[1], device=x.device)[None])[0, :-1].log_softmax(-1)
 
 
-def teacher_forced(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
+def read_logits(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> Iterator[tuple[int, torch.Tensor]]:
     """The logits of left-padded rows read teacher-forced under `policy`, chunk by chunk:
     (start, (B, k, V) fp32). Stream mode, unless C >= the longest row: then nothing is ever evicted and one
     causal pass gives the same logits (through the cache's dense path if it quantizes keys and values, so

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .api import LM
-from .errors import UserError, note
-from .generate import Decoder, left_pad
-from .parallel import kv_bytes
-from .policies import budget_if_taken, make_policy, recent_if_taken, resolve
-from .policies.base import refuse_lookahead
+from ..api import LM
+from ..errors import UserError, note
+from ..generate import Decoder, left_pad
+from ..parallel import kv_bytes
+from ..policies import budget_if_taken, make_policy, recent_if_taken, resolve
+from ..policies.base import refuse_lookahead
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 COLUMNS = {"policy": 12, "budget": 6, "capacity": 8, "batch": 5, "prompt_tokens": 13, "new_tokens": 10,

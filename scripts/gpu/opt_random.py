@@ -4,7 +4,7 @@ largest batch whose cache fits the GPU (throughput: decode tokens/s). Random wei
 trained ones (static shapes); they are made in memory (13 GB of noise is not worth writing to disk), with
 4096 learned positions so that 2048 + 2048 fits. `--dry-run`: the same steps, a tiny OPT on CPU, in seconds.
 
-Run: python docs/gpu/opt_random.py [--dry-run] OUT_DIR   -> OUT_DIR/opt_random.jsonl and opt_random.md
+Run: python scripts/gpu/opt_random.py [--dry-run] OUT_DIR   -> OUT_DIR/opt_random.jsonl and opt_random.md
 """
 import argparse
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_mini.bench import bench_one
+from h2o_mini.tools.benchmark import bench_one
 from h2o_mini.config_readers import read_config
 from h2o_mini.files import write_atomic
 from h2o_mini.generate import Decoder

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
-from .errors import UserError
-from .model import Transformer
-from .policies import Policy
-from .policies.base import refuse_lookahead
-from .policies.rows import Rows
+from ..cache import KVCache
+from ..errors import UserError
+from ..model import Transformer
+from ..policies import Policy
+from ..policies.base import refuse_lookahead
+from ..policies.rows import Rows
 
 
 @dataclass

@@ -2,8 +2,8 @@
 # The kvpress peer check (docs/policies.md, "Checked against kvpress"): builds kvpress 0.5.5 a venv of its own
 # (it needs transformers < 5.3; h2o-mini's tests use a newer one), then compares every shared press with
 # h2o-mini's dense prefill on the default model and a tiny Qwen3. About 5 minutes on 2 cores, once the venv
-# exists. Writes docs/peers/kvpress_results.md. Not part of the test suite (building the venv is slow).
-#   bash docs/peers/run_kvpress.sh [VENV_DIR] [WORK_DIR]
+# exists. Writes results/kvpress_results.md. Not part of the test suite (building the venv is slow).
+#   bash scripts/peers/run_kvpress.sh [VENV_DIR] [WORK_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=${1:-${TMPDIR:-/tmp}/h2o-mini-kvpress}
@@ -13,13 +13,13 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install --quiet torch==2.13.0   # the CPU wheel where it is on disk; any torch elsewhere
   "$venv/bin/pip" install --quiet kvpress==0.5.5
 fi
-out=docs/peers/kvpress_results.md
+out=results/kvpress_results.md
 {
   echo "# h2o-mini beside kvpress $("$venv/bin/python" -c 'import kvpress, importlib.metadata as m; print(m.version("kvpress"))') (transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)'))"
   echo
-  echo "Made by \`bash docs/peers/run_kvpress.sh\` on $(date -u +%Y-%m-%d); read in docs/policies.md."
+  echo "Made by \`bash scripts/peers/run_kvpress.sh\` on $(date -u +%Y-%m-%d); read in docs/policies.md."
   echo
-  python docs/peers/kvpress_check.py "$venv/bin/python" "$work" 2>/dev/null
+  python scripts/peers/kvpress_check.py "$venv/bin/python" "$work" 2>/dev/null
 } > "$out.tmp"
 mv "$out.tmp" "$out"
 cat "$out"

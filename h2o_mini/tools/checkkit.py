@@ -6,7 +6,7 @@ reads a real text through them under the policy, and compares every fast path of
 stream prefill in chunks of 2/7/64, dense prefill in one block and in causal blocks of 7 then decoding, a ragged
 left-padded batch in both prefill modes, the compiled step, keys and values stored at 8 and 4 bits, a row of a
 batch of other policies) with
-`hookref.HookReference`: a naive cache that keeps every key and value and applies the rule one token at a time,
+`naive.NaiveCache`: a naive cache that keeps every key and value and applies the rule one token at a time,
 eviction as a mask, through the policy's own hooks only, so any policy, registered or plugged in, is checked
 against its own statement of the rule. It also checks that `accumulate` (a closed form, if the policy
 has one) equals `update` applied query by query. A path passes when its logits are within `TOL` of the
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from .config import Config
-from .generate import Decoder, left_pad
-from .model import Transformer
-from .hookref import reference_logits
-from .policies import H2O, Local, Policy
-from .policies.rows import Rows
+from ..config import Config
+from ..generate import Decoder, left_pad
+from ..model import Transformer
+from .naive import naive_logits
+from ..policies import H2O, Local, Policy
+from ..policies.rows import Rows
 
 TOL = 1e-4
 TEXT = ("The licenses for most software and other practical works are designed to take away your freedom to share "
@@ -125,13 +125,13 @@ def check_paths(make, family: str, compiled: bool = False, quantized: bool = Fal
     model = tiny_model(family)
     ids = list(TEXT.encode())[:T]
     policy = make(T)
-    want = reference_logits(model, ids, policy)
+    want = naive_logits(model, ids, policy)
     yield "decode step", _diff(fast_logits(model, ids, policy, steps(0, T)), want)
     for chunk in (2, 7, 64):  # (a chunk of one token is a decode step)
         plan = [(s, min(T, s + chunk), "stream") for s in range(0, T, chunk)]
         yield f"stream, chunks of {chunk}", _diff(fast_logits(model, ids, policy, plan), want)
     n = 30  # a prompt longer than C, then decoding
-    dense_want = reference_logits(model, ids, policy, dense_prompt=n)
+    dense_want = naive_logits(model, ids, policy, dense_prompt=n)
     for block in (512, 7):
         got = fast_logits(model, ids, policy, [(0, n, "dense")] + steps(n, T), dense_block=block)
         yield f"dense prefill{'' if block > n else f' in blocks of {block}'}, then steps", _diff(got, dense_want)
@@ -145,7 +145,7 @@ def check_paths(make, family: str, compiled: bool = False, quantized: bool = Fal
         for bits in (8, 4):
             plan = [(0, 20, "dense"), (20, 27, "stream"), (27, 34, "stream")] + steps(34, T)
             got, given = fast_logits(model, ids, policy, plan, kv_bits=bits, record=True)
-            ref = reference_logits(model, ids, policy, dense_prompt=20, kv_bits=bits, given_kv=given)
+            ref = naive_logits(model, ids, policy, dense_prompt=20, kv_bits=bits, given_kv=given)
             yield f"{bits}-bit keys and values", _diff(got, ref)
 
 
@@ -164,7 +164,7 @@ def _ragged(model, make, prefill: str) -> float:
     rest = [model(torch.tensor([[f[i]] for f in follow]), pos[:, -1:] + 1 + i, cache) for i in range(8)]
     worst = 0.0
     for row, (p, text) in enumerate(zip(prompts, texts)):
-        want = reference_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
+        want = naive_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
         got = torch.cat([first[row, -len(p):]] + [r[row] for r in rest])
         worst = max(worst, _diff(got, want))
     return worst

@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of h2o-mini in one run (about 10 minutes on one H200), results under OUT
-# (default docs/results/gpu):
+# (default results/gpu):
 #   (a) the parity tests (eviction against the naive reference, logits against transformers) on CUDA;
 #   (b) the default model in bf16 with the compiled step and CUDA graphs: full vs h2o 0.2, batch 8,
 #       decode rate, KV bytes and peak memory against context (512 .. 8192 tokens), table + plot;
 #   (c) OPT-6.7B-shaped random weights, 2048 + 2048 tokens: full vs h2o 0.2 latency at one batch and
-#       throughput at the largest batch each fits (docs/gpu/opt_random.py);
+#       throughput at the largest batch each fits (scripts/gpu/opt_random.py);
 #   (d) many policies as the rows of one batch against one after another, reading and writing
-#       (docs/batched_cost.py).
+#       (scripts/batched_cost.py).
 # --dry-run: the same steps on CPU with tiny shapes (MODEL=a checkpoint folder; tests/test_bench.py runs it).
 # PYTHON: the interpreter to use (default: python3 on PATH; the tests pass their own). Runs from the repository
 # root whatever the caller's folder; a relative OUT is taken from the caller's folder.
 set -euo pipefail
 dry=0
 if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
-out=${1:-docs/results/gpu}
+out=${1:-results/gpu}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
-trap 'echo "docs/gpu/run.sh: failed (exit $?) at line $LINENO; see $out" >&2' ERR
+trap 'echo "scripts/gpu/run.sh: failed (exit $?) at line $LINENO; see $out" >&2' ERR
 if [ $dry = 1 ]; then
   export H2O_MINI_TEST_DEVICE=cpu
   tests=(-k "decode_step_matches_reference and h2o and llama_gqa_tied")
@@ -43,12 +43,12 @@ if ! grep -q " passed" "$out/parity.txt" || grep -q "failed\|error" "$out/parity
   exit 1
 fi
 # (c) before (b): its eager runs have a known cost, while (b) compiles the whole step four times
-"$py" docs/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
+"$py" scripts/gpu/opt_random.py $([ $dry = 1 ] && echo --dry-run) "$out"
 # (b)
 "$py" -m h2o_mini bench "${bench[@]}" --policy full --policy h2o --budget 0.2 --same-prompt --json \
   --plot "$out/default_bf16.png" > "$out/default_bf16.jsonl"
 # (d)
 cost=(--device cuda)
 if [ $dry = 1 ]; then cost=(--model "${MODEL:-default}" --device cpu --tokens 8 --new-tokens 2); fi
-"$py" docs/batched_cost.py "${cost[@]}" > "$out/batched_cost.txt"
+"$py" scripts/batched_cost.py "${cost[@]}" > "$out/batched_cost.txt"
 echo "wrote $out"

@@ -1,17 +1,17 @@
-"""Prints the markdown tables of docs/results.md from the JSON lines docs/run_results.sh writes.
+"""Prints the markdown tables of docs/results.md from the JSON lines scripts/run_results.sh writes.
 
-    python docs/results_tables.py [docs/results]              # docs/run_results.sh
-    python docs/results_tables.py docs/results leaderboard  # docs/run_leaderboard.sh
-    python docs/results_tables.py docs/results workbench    # docs/run_workbench.sh
-    python docs/results_tables.py docs/results models       # docs/run_two_models.sh
-    python docs/results_tables.py docs/results hindsight    # docs/run_hindsight.sh
-    python docs/results_tables.py docs/results generate     # docs/run_generate.sh
+    python results_tables.py [results]              # scripts/run_results.sh
+    python results_tables.py results leaderboard  # scripts/run_leaderboard.sh
+    python results_tables.py results workbench    # scripts/run_workbench.sh
+    python results_tables.py results models       # scripts/run_two_models.sh
+    python results_tables.py results hindsight    # scripts/run_hindsight.sh
+    python results_tables.py results generate     # scripts/run_generate.sh
 """
 import json
 import sys
 from pathlib import Path
 
-out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results")
+out = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 
 
 def rows(name):
@@ -20,7 +20,7 @@ def rows(name):
 
 
 def leaderboard():
-    """The policy leaderboard and the quantization table (docs/run_leaderboard.sh)."""
+    """The policy leaderboard and the quantization table (scripts/run_leaderboard.sh)."""
     for text in ("GPL-3", "GFDL-1.3"):
         board = rows(f"leaderboard_{text}.jsonl")
         if not board:
@@ -60,7 +60,7 @@ def leaderboard():
 
 
 def workbench():
-    """The new policies of docs/run_workbench.sh beside h2o, with the share of h2o's gap to full they close."""
+    """The new policies of scripts/run_workbench.sh beside h2o, with the share of h2o's gap to full they close."""
     for text in ("GPL-3", "GFDL-1.3"):
         board = rows(f"workbench_{text}.jsonl")
         if not board:
@@ -87,7 +87,7 @@ MODELS = {"default": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
 
 
 def models():
-    """SmolLM2 against Gemma 3 (docs/run_two_models.sh): every policy's ppl and KV bytes, the needle, the bench."""
+    """SmolLM2 against Gemma 3 (scripts/run_two_models.sh): every policy's ppl and KV bytes, the needle, the bench."""
     for text in ("GPL-3", "GFDL-1.3"):
         boards = {m: rows(f"models_{m}_{text}.jsonl") for m in MODELS}
         if not any(boards.values()):
@@ -130,7 +130,7 @@ def models():
 
 def hindsight():
     """Every policy of sections 5 and 8 against h2o, full and hindsight at the same budget, and Gemma 3 270M's
-    runs (docs/run_hindsight.sh)."""
+    runs (scripts/run_hindsight.sh)."""
     from h2o_mini.evals.sweep import share
     boards = [(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"),
                (f"leaderboard_{text}.jsonl", f"workbench_{text}.jsonl", f"hindsight_{text}.jsonl"))
@@ -161,10 +161,10 @@ def hindsight():
 
 
 def generate():
-    """eval generate on both models (docs/run_generate.sh): per policy and budget, the tokens written before the
+    """eval generate on both models (scripts/run_generate.sh): per policy and budget, the tokens written before the
     first divergence from full's text and the NLL of full's text read back; then each ranking beside the
     perplexity leaderboard's (section 9's sweep of the same model on GPL-3, 4096 tokens). Greedy texts
-    (docs/run_generate.sh), then sampled ones (docs/run_generate_sampled.sh)."""
+    (scripts/run_generate.sh), then sampled ones (scripts/run_generate_sampled.sh)."""
     for model, label in (("default", "SmolLM2-135M"), ("gemma3-270m", "Gemma 3 270M")):
         for kind, n in (("greedy", 512), ("greedy", 1024), ("sampled", 512)):
             board = rows(f"generate_{model}_{n}.jsonl" if kind == "greedy" else f"generate_sampled_{model}_{n}.jsonl")
@@ -272,7 +272,7 @@ print("|---|---|---|---|---|")
 for r in rows("attention.jsonl"):
     print(f"| {r['layer']} | {r['tokens']} | {r['top20_share']:.3f} | {r['max']:.1f} | {r['median']:.2f} |")
 
-for prefill in ("dense", "stream", "snapkv"):  # needle_snapkv: docs/run_leaderboard.sh (dense)
+for prefill in ("dense", "stream", "snapkv"):  # needle_snapkv: scripts/run_leaderboard.sh (dense)
     cells = rows(f"needle_{prefill}.jsonl")
     if not cells:
         continue

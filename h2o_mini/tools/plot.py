@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .api import LM
-from .errors import UserError
-from .files import write_atomic
-from .policies import Policy
+from ..api import LM
+from ..errors import UserError
+from ..files import write_atomic
+from ..policies import Policy
 from .record import record_many
 
 
@@ -140,7 +140,7 @@ def line_style(plt, i: int) -> dict:
 def save_generation_plot(rows: list[dict], out: Path, title: str) -> None:
     """eval generate: tokens before the first divergence from full, and the reference's NLL under the policy,
     against budget; one line per policy, full as a dashed line."""
-    from .policies import parse_budget
+    from ..policies import parse_budget
     plt, fig, (agree, nll) = figure(2, (5.2, 4.2))
     counts = any(isinstance(parse_budget(r["budget"]), int) for r in rows if r["budget"])
     for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):

@@ -23,36 +23,39 @@ from .model import softcap
 from .policies import Policy
 from .quant import codec, scatter_slots_
 
-NEWEST = torch.iinfo(torch.int64).max  # a position later than any token: never the oldest
-
 
 def evict(keep: torch.Tensor, pos: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
     """The slot each (row, KV head) gives up: the lowest keep-score among the row's slots, ties to the oldest.
     keep: (B, H, S) fp32, -inf where a slot holds no live token (so an empty or dead slot goes first); pos:
     (B, H, S) original positions; room: bool, broadcastable to (B, H, S), the slots the row has. -> (B, H, 1)."""
-    keep = keep.masked_fill(~room, torch.inf)
+    keep = torch.where(room, keep, torch.inf)
     lowest = (keep == keep.amin(-1, keepdim=True)) & room  # a slot the row lacks never goes, even if all are +inf
-    return torch.where(lowest, pos, NEWEST).argmin(-1, keepdim=True)  # the oldest of the lowest
+    return torch.where(lowest, pos, prompt.NEWEST).argmin(-1, keepdim=True)  # the oldest of the lowest
 
 
 def stream_token(policy, score, pos, alive, member, logits, t, ok, slots, keys, values):
     """Steps 1-4 of the rule for the token at position t, over the virtual slots of `prompt.stream`.
 
     score, pos: (B, H, S) fp32 / int64; alive (attendable) and member (in the row's cache, a token or not):
-    (B, H, S) bool; logits: (B, H, g, S) this token's fp32 attention logits; t, ok: (B, 1, 1) its position
-    and whether it is a real token (padding evicts, inserts and scores nothing); slots: arange(S); keys,
-    values: (B, H, S, hd). Element-wise masks only (no indexing by t), so torch.compile fuses it.
+    (B, H, S) bool; logits: (B, H, g, S) this token's fp32 attention logits; t: (B, 1, 1) its position; ok:
+    (B, 1, 1) whether it is a real token (padding evicts, inserts and scores nothing), or None when every row's
+    is (the ops that only padding needs are left out); slots: arange(S); keys, values: (B, H, S, hd).
+    Element-wise masks only (no indexing by t), so torch.compile fuses it.
     """
-    seen = pos.masked_fill(~alive, -1)  # the policy sees exactly the cached tokens (-1: no token)
-    keep = policy.keep_score(score, seen, t, keys, values).masked_fill(~alive, -torch.inf)
-    victim = (slots == evict(keep, pos, member)) & ok  # 1. evict (a slot with no token while the cache fills)
-    arrive = (pos == t) & ok  # 2. insert
-    member = member & ~victim | arrive
-    alive = alive & ~victim | arrive
-    probs = logits.masked_fill(~(alive | ~ok)[:, :, None], -torch.inf).softmax(-1)  # 3. attend: (B, H, g, S)
+    seen = torch.where(alive, pos, -1)  # the policy sees exactly the cached tokens (-1: no token)
+    keep = torch.where(alive, policy.keep_score(score, seen, t, keys, values), -torch.inf)
+    victim = slots == evict(keep, pos, member)  # 1. evict (a slot with no token while the cache fills)
+    arrive = pos == t  # 2. insert
+    if ok is not None:
+        victim, arrive = victim & ok, arrive & ok
+    kept = ~victim
+    member = member & kept | arrive
+    alive = alive & kept | arrive
+    seen_by_query = alive if ok is None else alive | ~ok  # padding attends everything: no empty softmax
+    probs = torch.where(seen_by_query[:, :, None], logits, -torch.inf).softmax(-1)  # 3. attend: (B, H, g, S)
     if policy.needs_scores:  # 4. update
-        attended = alive[:, :, None]  # (B, H, 1, S)
-        score = torch.where(ok, policy.accumulate(score, probs.sum(2, keepdim=True), attended), score)
+        new = policy.accumulate(score, probs.sum(2, keepdim=True), alive[:, :, None])
+        score = new if ok is None else torch.where(ok, new, score)
     return score, alive, member, probs
 
 
@@ -78,8 +81,7 @@ class LayerCache:
         self.room = torch.arange(max(rows), device=device) < own  # (B, 1, C): the slots each row has
         self.fresh = True  # nothing read yet: a dense prompt may come
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Everything the cache holds (keys and values in their stored form, positions, scores)."""
+    def tensors(self) -> tuple[torch.Tensor, ...]:  # what the cache holds: K and V as stored, positions, scores
         return (*self.k, *self.v, self.pos, self.score)
 
     @property

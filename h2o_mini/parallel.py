@@ -101,6 +101,15 @@ def gather(value, shard: Shard | None) -> list:
     return out
 
 
+def from_rank0(value, shard: Shard | None):
+    """Rank 0's `value` (a small Python object) on every rank; `value` itself on one process."""
+    if shard is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def common_seed(seed: int | None, shard: Shard | None) -> int | None:
     """Sampling must draw the same noise on every rank: without a seed, rank 0 picks one for all."""
     if shard is None or seed is not None:
@@ -115,6 +124,11 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
+def is_main() -> bool:
+    """Whether this process is rank 0 (or the only one): the one that prints and writes files."""
+    return int(os.environ.get("RANK", "0") or 0) == 0
+
+
 def refuse(command: str) -> None:
     """Commands other than generate, eval ppl and bench would run whole on every rank: refused under torchrun."""
     if launched():
@@ -124,7 +138,7 @@ def refuse(command: str) -> None:
 def quiet_other_ranks() -> None:
     """Under torchrun only rank 0 prints (results, progress, errors): the others write to /dev/null. A rank
     that fails still exits non-zero, and torchrun reports it."""
-    if launched() and int(os.environ.get("RANK", "0") or 0) != 0:
+    if launched() and not is_main():
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.dup2(null, 2)

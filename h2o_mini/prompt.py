@@ -16,6 +16,8 @@ import torch
 from .model import softcap
 from .quant import cat_slots, gather_slots
 
+NEWEST = torch.iinfo(torch.int64).max  # a position later than any token: never the oldest
+
 
 def stream(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     """The chunk through the rule one token at a time. q: (B, n_head, K, hd); k_parts, v_parts: the codec's
@@ -23,8 +25,9 @@ def stream(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     B, H, C = c.pos.shape
     n_head, K, D = q.shape[1], q.shape[2], q.shape[3]
     g = n_head // H
-    # Virtual slots: the cached tokens in position order (slots with no token first), then the K new tokens.
-    order = c.pos.argsort(dim=-1, stable=True)  # (B, H, C)
+    # Virtual slots: the cached tokens in position order (empty slots first; slots a row does not have last, so
+    # that a row's sums run over its slots in the same order whatever its neighbours' capacities), then the K new.
+    order = torch.where(c.room, c.pos, NEWEST).argsort(dim=-1, stable=True)  # (B, H, C)
     vk_parts = cat_slots(gather_slots(c.k, order), k_parts)  # (B, H, C+K, ...)
     vv_parts = cat_slots(gather_slots(c.v, order), v_parts)
     vk, vv = c.codec.decode(vk_parts), c.codec.decode(vv_parts)  # (B, H, C+K, hd)
@@ -36,8 +39,10 @@ def stream(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     logits = _logits(c, q, vk)  # (B, H, g, K, C+K)
     probs = torch.empty_like(logits)
     slots = torch.arange(C + K, device=q.device)
+    padded = bool((pos < 0).any())  # (one host sync a chunk) without padding, the loop leaves out its masks
     for i in range(K):
-        t, ok = pos[:, i, None, None], pos[:, i, None, None] >= 0  # (B, 1, 1); padding: ok is False
+        t = pos[:, i, None, None]  # (B, 1, 1)
+        ok = t >= 0 if padded else None  # padding: ok is False
         if c.window is not None:  # dead tokens: not attended, evicted first (as empty slots are)
             alive = alive & (vpos > t - c.window)
         vscore, alive, member, probs[:, :, :, i] = c.token_fn(c.policy, vscore, vpos, alive, member,

@@ -184,3 +184,27 @@ def test_a_shard_takes_its_heads_and_its_mlp_columns():
     assert two.take("norm_f.weight", bias) is bias  # replicated
     with pytest.raises(UserError, match="each rank's own GPU"):
         one.device("cuda:1")
+
+
+def test_a_sweep_under_torchrun_splits_its_points_and_equals_one_process(folder, tmp_path):
+    """Two CPU ranks (gloo), each with the whole model and its share of the points, batched as one process
+    batches them; rank 0 gathers, prints the table and writes --out: row for row what one process gives (to the
+    rounding of batched matmuls, 1e-5 nats as in test_batched), and a rerun resumes from the file."""
+    args = ["eval", "sweep", "ppl", "--model", folder, "--text", GPL3, "--tokens", 64, "--policy", "local",
+            "--policy", "h2o", "--policy", "tova", "--policy", "hindsight", "--budget", 12, "--budget", "0.5"]
+    two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+    tp, alone = torchrun(*args, "--out", two), run(*args, "--out", one)
+    assert tp.returncode == 0 and alone.returncode == 0, tp.stderr[:3000] + alone.stderr[-1000:]
+    table = [line.split()[:2] for line in tp.stdout.splitlines()]
+    assert table == [line.split()[:2] for line in alone.stdout.splitlines()]
+    rows = {}
+    for path in (two, one):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            rows.setdefault((r["spec"], r["budget"]), []).append(r)
+    assert len(rows) == 9 and all(len(pair) == 2 for pair in rows.values())  # full and 4 policies x 2 budgets
+    for (a, b) in rows.values():
+        assert abs(a["nll"] - b["nll"]) <= 1e-5 and abs(a["kl_full"] - b["kl_full"]) <= 1e-5
+        assert a["kv_bytes"] == b["kv_bytes"] and a["params"] == b["params"]
+    again = torchrun(*args, "--out", two)
+    assert again.returncode == 0 and again.stdout == tp.stdout and len(two.read_text().splitlines()) == 9

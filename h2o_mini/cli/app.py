@@ -14,7 +14,7 @@ import click
 
 from .. import api, parallel
 from ..errors import UserError, out_of_memory
-from ..files import check_output, read_prompts, read_text
+from ..files import read_prompts, read_text
 from ..generate import Sampling
 from ..tools.plot import kept_matrices, save_kept_plot
 from ..tools.benchmark import DEFAULT_TEXT
@@ -27,7 +27,7 @@ from .explore import explore
 from .eval import eval_
 from .eval_generate import eval_generate
 from .eval_sweep import sweep
-from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
+from .options import (COUNT, check_image, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
                       model_options, policy_options, sampling_options)
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
@@ -41,7 +41,8 @@ def cli(ctx, debug):
     """h2o-mini: H2O (Heavy-Hitter Oracle) KV-cache eviction, small and exact, in pure PyTorch.
 
     Tensor parallel: torchrun --nproc-per-node N -m h2o_mini generate|eval ppl|bench ... (each rank holds and
-    evicts 1/N of the KV heads; rank 0 prints)."""
+    evicts 1/N of the KV heads; rank 0 prints). Under torchrun, eval sweep and eval generate split their points
+    over the ranks instead (each holds the whole model; rank 0 prints and writes --out)."""
     if ctx.invoked_subcommand and ctx.invoked_subcommand not in ("generate", "eval", "bench"):
         parallel.refuse(ctx.invoked_subcommand)
 
@@ -154,7 +155,7 @@ Example:
               help="a .png, .pdf or .svg file in an existing folder")
 def kept(model, dtype, device, policies, budget, recent, text_path, tokens, layer, head, out):
     """Which positions each policy keeps in the cache, step by step (one layer, one KV head)."""
-    check_output(out, IMAGE)
+    check_image(out)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     ids = api.scored_ids(lm, text, tokens)
@@ -190,7 +191,7 @@ def attention(model, dtype, device, text_path, tokens, layers, out, as_json):
     """For each layer, the attention every token receives in a full causal pass (summed over all queries
     and query heads), sorted, on log-log axes; the legend gives the share held by the top 20%."""
     from ..evals.attention import accumulated_attention, save_attention_plot, top_share
-    check_output(out, IMAGE)
+    check_image(out)
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     if any(not 0 <= x < lm.model.cfg.n_layer for x in layers):
@@ -247,7 +248,10 @@ def main() -> None:
             raise
         _fail(f"h2o-mini: error: {message}", 1)
     except OSError as e:  # stdout on a full disk or a closed pipe
-        if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT):
+        if e.errno == errno.EPIPE:  # the reader stopped (`| head`): end quietly, as Unix tools do (128 + SIGPIPE)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint at exit
+            sys.exit(141)
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT):
             raise
         _fail(f"h2o-mini: error: cannot write the output: {e.strerror}", 1)
 

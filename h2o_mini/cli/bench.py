@@ -8,12 +8,13 @@ from pathlib import Path
 import click
 
 from .. import api, parallel
-from ..tools.benchmark import DEFAULT_TEXT, run_bench, table_header, table_row
+from ..tools.benchmark import DEFAULT_TEXT, run_bench, table_header, table_row, unfinished_rows
 from ..errors import note
-from ..files import check_output, read_text
+from ..files import check_output, read_text, write_atomic
 from ..tools.plot import save_bench_plot
 from ..policies import BUDGET_HELP
-from .options import COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, PolicyType, kv_bits_option, model_options
+from .options import (COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, check_image, check_installed, kv_bits_option,
+                      model_options)
 
 
 @click.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
@@ -51,8 +52,10 @@ Examples:
 @click.option("--plot", "plot_path", default=None, help="draw decode tok/s, KV bytes and peak memory against "
               "prompt tokens, a line per configuration (.png/.pdf/.svg)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration, as each finishes")
+@click.option("--out", default=None, help="also write every row to this .jsonl file (at the end, or what finished "
+              "on Ctrl-C)")
 def bench(model, dtype, device, policies, budgets, recent, batches, prompt_tokens, new_tokens, prefill, text_path,
-          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, plot_path, as_json):
+          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, plot_path, as_json, out):
     """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side; each row is
     printed as its configuration finishes (a progress bar over the decode steps on a terminal)."""
     compile = device.startswith("cuda") if compile is None else compile
@@ -60,9 +63,12 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
         policies = policies or ("full", "local", "heavy_hitter", "h2o")
         budgets = budgets or ("0.1", "0.2", "0.5")
     if plot_path:
-        check_output(plot_path, IMAGE)
+        check_image(plot_path)
+    if out:
+        check_output(out, (".jsonl",))
     if vs_hf:
         parallel.refuse("bench --vs-hf")  # transformers would load the whole model on every rank
+        check_installed("transformers", "--vs-hf", "dev")
     text = read_text(text_path)
     lm = api.load(model, dtype, device, parallel.from_env(device))
     rows, status = [], {}
@@ -75,11 +81,30 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
             rows.append(row)
             click.echo(json.dumps(row) if as_json else table_row(row, vs_hf))
     except KeyboardInterrupt:
-        if not rows and status:  # nothing to show: say what was running and how far it got
+        partial = unfinished_rows(status)  # the rounds that finished, not lost: their medians
+        if partial and not rows and not as_json:
+            click.echo(table_header(vs_hf))
+        for row in partial:
+            click.echo(json.dumps(row) if as_json else f"{table_row(row, vs_hf)}  ({row['rounds']} of {repeat} rounds)")
+        rows += partial
+        if partial:
+            note(f"h2o-mini: interrupted: {len(partial)} configuration(s) shown with the medians of the rounds that "
+                 "finished")
+        elif not rows and status:  # nothing to show: say what was running and how far it got
             note(f"h2o-mini: interrupted before any configuration finished; running {status['label']}: "
                  f"{status['stage']}")
+        if out and rows:
+            write_rows(out, rows)
         raise
+    if out:
+        write_rows(out, rows)
     if plot_path and (lm.model.shard is None or lm.model.shard.rank == 0):  # one picture, from rank 0
         save_bench_plot(rows, Path(plot_path), f"{lm.folder.name}: decoding under eviction, prompts from "
                         f"{Path(text_path).name}, {new_tokens} new tokens")
         click.echo(f"wrote {plot_path}", err=True)
+
+
+def write_rows(out: str, rows: list[dict]) -> None:
+    """Every row as a JSON line, atomically (a whole file or none), from rank 0 alone under tensor parallel."""
+    if parallel.is_main():
+        write_atomic(out, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)))

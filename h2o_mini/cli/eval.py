@@ -13,7 +13,7 @@ from ..tools.benchmark import DEFAULT_TEXT
 from ..errors import UserError
 from ..files import check_output, read_text, write_atomic
 from ..policies import BUDGET_HELP, recent_if_taken, resolve
-from .options import (COUNT, IMAGE, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
+from .options import (COUNT, check_image, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
                       model_options)
 
 
@@ -94,7 +94,7 @@ def needle_options(f):
 def eval_(ctx):
     """Measure what a policy costs in quality: perplexity, lm-eval tasks, needle in a haystack, long generations,
     sweeps."""
-    if ctx.invoked_subcommand and ctx.invoked_subcommand != "ppl":
+    if ctx.invoked_subcommand and ctx.invoked_subcommand not in ("ppl", "sweep", "generate"):
         parallel.refuse(f"eval {ctx.invoked_subcommand}")
 
 
@@ -204,7 +204,7 @@ def needle(model, dtype, device, policies, budgets, recent, kv_bits, text_path, 
     from ..evals.needle import run_needle
     from ..evals.sweep import points
     if plot_path:
-        check_output(plot_path, IMAGE)
+        check_image(plot_path)
     pairs = points(policies or ("full",), budgets or ("0.2",), with_full=False)
     todo = [(p, b, recent_if_taken(p, recent)) for p, b in pairs]
     text = read_text(text_path)

@@ -1,26 +1,30 @@
 """`h2o-mini eval generate`: what each policy does to long generations (evals/generation.py). Parse, run the
-points through the sweep machinery (`cli/sweep.py`: resumable --out, --json, a table, --plot)."""
+points through the sweep machinery (`cli/eval_sweep.py`: resumable --out, --json, a table, --plot)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from .. import api
 from ..evals.generation import BUILTIN, Prompts, evaluate_many
 from ..files import read_prompts
 from ..generate import Sampling
+from ..policies import resolve
+from ..policies.base import refuse_lookahead
 from ..tools.plot import save_generation_plot
 from .eval import repeatable_policies
 from .options import COUNT, model_options, sampling_options
-from .eval_sweep import _sweep, check_plot, settings
+from .eval_sweep import _sweep, check_plot, load_for_points, settings
 
-HEADER = f"{'policy':<14}{'budget':>8}{'nll':>9}{'kl_full':>9}{'agree':>8}{'agree %':>9}{'KV MiB':>9}"
+# two measures of the policy's own text against full's: how far it follows before the first difference, and how
+# many of its tokens equal full's at the same place in all
+HEADER = (f"{'policy':<14}{'budget':>8}{'nll':>9}{'kl_full':>9}{'tokens before first diff':>26}"
+          f"{'same token, share':>19}{'KV MiB':>9}")
 
 
 def row_line(row: dict) -> str:
     return (f"{row['policy']:<14}{row['budget'] or 'all':>8}{row['nll']:>9.4f}{row['kl_full']:>9.4f}"
-            f"{row['agree_tokens']:>8.1f}{100 * row['agree_share']:>8.1f}%{row['kv_bytes'] / 2**20:>9.2f}")
+            f"{row['agree_tokens']:>26.1f}{100 * row['agree_share']:>18.1f}%{row['kv_bytes'] / 2**20:>9.2f}")
 
 
 def table(results: dict) -> str:
@@ -67,13 +71,15 @@ def eval_generate(model, dtype, device, policies, budgets, recent, kv_bits, prom
     is drawn with the same random numbers under full and under every policy (coupled by --seed), since small
     models loop when greedy."""
     check_plot(plot_path, budgets)
+    for spec in policies or ():  # before the model and the reference: hindsight reads ahead, no text can
+        refuse_lookahead(resolve(spec).cls)
     sampling = Sampling(temperature, top_k, top_p)
     sampled = {"sampling": {**vars(sampling), "seed": seed}} if temperature > 0 else {}  # greedy rows: as before
     if prompts_file:
         prompts = Prompts(Path(prompts_file).name, read_prompts(prompts_file))
     else:
         prompts = Prompts("builtin", list(BUILTIN))
-    lm = api.load(model, dtype, device)
+    lm, ranks = load_for_points(model, dtype, device)
     setup = settings(lm, dtype, kv_bits, recent, "\n".join(prompts.texts), new_tokens=max_new_tokens,
                      prefill=prefill, chat=chat, **sampled)
     title = f"{lm.folder.name}: {prompts.name} prompts, {max_new_tokens} new tokens" + (
@@ -85,4 +91,5 @@ def eval_generate(model, dtype, device, policies, budgets, recent, kv_bits, prom
             yield todo[i], [row]
     _sweep("generate", policies or ("h2o",), budgets or ("0.2",), out, plot_path, as_json, title, run_points, setup,
            show=table,
-           draw=lambda results, path, title: save_generation_plot([rows[0] for rows in results.values()], path, title))
+           draw=lambda results, path, title: save_generation_plot([rows[0] for rows in results.values()], path, title),
+           ranks=ranks)

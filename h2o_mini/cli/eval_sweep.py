@@ -10,13 +10,14 @@ from pathlib import Path
 
 import click
 
-from .. import api
+from .. import api, parallel
 from ..evals.ppl import perplexities
-from ..evals.sweep import check_budget_kinds, one_by_one, points, run_sweep, save_sweep_plot, table
-from ..files import check_output, read_text
+from ..errors import UserError, note
+from ..evals.sweep import Failed, check_budget_kinds, one_by_one, points, run_sweep, save_sweep_plot, table
+from ..files import read_text
 from ..policies import LOOKAHEAD, REGISTRY, recent_if_taken
 from .eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
-from .options import IMAGE, model_options
+from .options import check_image, model_options
 
 
 def sweep_options(f):
@@ -37,29 +38,52 @@ def settings(lm, dtype: str, kv_bits, recent, text: str | None = None, **more) -
 
 
 def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, run_points, setup: dict,
-           show=None, draw=None) -> None:
+           show=None, draw=None, ranks=None) -> None:
     """Every point through `run_points` (`evals.sweep.run_sweep`; resumable --out), each row printed with --json
     as its point finishes, then the table (`show`, default the sweep's own) and the plot (`draw`), in the
-    sweep's order of points."""
+    sweep's order of points. ranks: under torchrun, the points are split over the ranks (`load_for_points`)."""
     show = show or (lambda results: table(kind, results))
     draw = draw or (lambda results, path, title: save_sweep_plot(kind, results, path, title))
-    todo, results = points(policies, budgets), {}
-    for point, rows in run_sweep(kind, todo, run_points, Path(out) if out else None, setup, progress=not as_json):
-        results[point] = rows
-        if as_json:
-            for row in rows:
-                click.echo(json.dumps(dict(row, budget=point[1])))
-    results = {point: results[point] for point in todo}
-    if not as_json:
+    todo, results, failed = points(policies, budgets), {}, {}
+    try:
+        for point, rows in run_sweep(kind, todo, run_points, Path(out) if out else None, setup, not as_json, ranks):
+            if isinstance(rows, Failed):
+                failed[point] = rows.reason
+                continue
+            results[point] = rows
+            if as_json:
+                for row in rows:
+                    click.echo(json.dumps(dict(row, budget=point[1])))
+    except KeyboardInterrupt:
+        where = (f"; they are saved in {out}, and a rerun with the same --out resumes from them" if out and results
+                 else "; give --out FILE.jsonl to keep finished points across runs" if not out else "")
+        note(f"h2o-mini: interrupted after {len(results)} of {len(todo)} points{where}")
+        if results and not as_json:
+            click.echo(show({point: results[point] for point in todo if point in results}))
+        raise
+    results = {point: results[point] for point in todo if point in results}
+    if not as_json and results:
         click.echo(show(results))
-    if plot_path:
+    if plot_path and results:
         draw(results, Path(plot_path), title)
+    if failed:
+        names = ", ".join(f"{p} {b}" if b else p for p, b in failed)
+        raise UserError(f"{len(failed)} of {len(todo)} points failed ({names}; each named above)"
+                        + (f": the others are in {out}, and a rerun with it retries only these" if out else ""))
+
+
+def load_for_points(model, dtype, device):
+    """(the model, the ranks): under torchrun (`torchrun --nnodes N --nproc-per-node P -m h2o_mini eval sweep ...`)
+    a sweep splits its points over the ranks, each holding the whole model (on its own GPU with --device cuda,
+    NCCL; gloo on CPU); in one process, (the model, None)."""
+    ranks = parallel.from_env(device)
+    return api.load(model, dtype, ranks.device(device) if ranks else device), ranks
 
 
 def check_plot(plot_path, budgets) -> None:
     """Before any model is loaded: the plot's file name, and one kind of budget on its x axis."""
     if plot_path:
-        check_output(plot_path, IMAGE)
+        check_image(plot_path)
         check_budget_kinds(budgets)
 
 
@@ -83,7 +107,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
     of h2o's gap to full and of h2o's gap to hindsight at the same budget, where those points are in the sweep."""
     check_plot(plot_path, budgets)
     text = read_text(text_path)
-    lm = api.load(model, dtype, device)
+    lm, ranks = load_for_points(model, dtype, device)
     api.scored_ids(lm, text, tokens)  # the text and --tokens checked before any point runs
 
     def run_points(todo):  # the points not in --out yet, the evicting ones as rows of batched passes
@@ -91,7 +115,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
             yield point, [result]
     title = f"{lm.folder.name}: perplexity under eviction, {tokens} tokens of {Path(text_path).name}"
     _sweep("ppl", policies or (*REGISTRY, *LOOKAHEAD), budgets, out, plot_path, as_json, title, run_points,
-           settings(lm, dtype, kv_bits, recent, text, tokens=tokens))
+           settings(lm, dtype, kv_bits, recent, text, tokens=tokens), ranks=ranks)
 
 
 @sweep.command(name="needle", short_help="Needle in a haystack at every point.", epilog="""\b
@@ -106,12 +130,12 @@ def sweep_needle(model, dtype, device, policies, budgets, recent, kv_bits, out, 
     from ..evals.needle import run_needle
     check_plot(plot_path, budgets)
     text = read_text(text_path)
-    lm = api.load(model, dtype, device)
+    lm, ranks = load_for_points(model, dtype, device)
     title = f"{lm.folder.name}: needle in {Path(text_path).name}, {','.join(map(str, lengths))} tokens"
     _sweep("needle", policies, budgets, out, plot_path, as_json, title, one_by_one(lambda p, b: list(run_needle(
         lm, text, lengths, depths, seeds, [(p, b, recent_if_taken(p, recent))], prefill, chat, progress=False,
         kv_bits=kv_bits))), settings(lm, dtype, kv_bits, recent, text, lengths=lengths, depths=depths, seeds=seeds,
-                                    prefill=prefill, chat=chat))
+                                    prefill=prefill, chat=chat), ranks=ranks)
 
 
 @sweep.command(name="tasks", short_help="lm-eval tasks at every point.", epilog="""\b
@@ -125,12 +149,12 @@ def sweep_tasks(model, dtype, device, policies, budgets, recent, kv_bits, out, p
     """eval tasks at every point; a point's score is the first task's main metric (acc where it has one)."""
     harness = _harness()
     check_plot(plot_path, budgets)
-    lm = api.load(model, dtype, device)
+    lm, ranks = load_for_points(model, dtype, device)
     title = f"{lm.folder.name}: {','.join(tasks)} under eviction"
     include = str(Path(include_path).resolve()) if include_path else None
     _sweep("tasks", policies, budgets, out, plot_path, as_json, title, one_by_one(lambda p, b: [task_result(
         harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, p, b, recent_if_taken(p, recent),
                           prefill, progress=False, kv_bits=kv_bits, seed=seed), str(model), p, b)]),
            settings(lm, dtype, kv_bits, recent, tasks=tasks, include_path=include, num_fewshot=num_fewshot,
-                    limit=limit, prefill=prefill, seed=list(seed)))
+                    limit=limit, prefill=prefill, seed=list(seed)), ranks=ranks)
 

@@ -2,14 +2,31 @@
 a wrong value is a one-line usage error before any model is loaded."""
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import click
 
+from ..errors import UserError
+from ..files import check_output
 from ..policies import BUDGET_HELP, parse_budget, resolve, takes_recent_names
 
 COUNT = 2**31  # the largest count any option takes (tokens, steps)
 IMAGE = (".png", ".pdf", ".svg")
+
+
+def check_image(path) -> None:
+    """A picture to write, checked before any work: its name, and matplotlib itself (else everything would be
+    computed first, then lost)."""
+    check_output(path, IMAGE)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError(f"{path}: drawing needs matplotlib: pip install 'h2o-mini[plot]'")
+
+
+def check_installed(module: str, what: str, extra: str) -> None:
+    """An optional dependency that an option needs, checked before any work."""
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"{what} needs {module} (pip install 'h2o-mini[{extra}]')")
 
 
 class Finite(click.FloatRange):

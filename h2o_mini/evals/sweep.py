@@ -3,8 +3,9 @@
 A sweep is a list of points (policy spec, budget); `full` is always one point, whatever the policies and
 budgets. Each finished point's rows are appended to `--out` (JSON lines) at once and flushed, each with the
 sweep's kind and settings, and a rerun with the same `--out` and the same settings skips the points already
-there, so a long sweep survives an interruption. The plot draws quality against
-budget, one line per policy, `full` as a horizontal line.
+there, so a long sweep survives an interruption. A point that fails (a plugin's fault, a refused setting, out
+of memory) is named with its reason and written nowhere, the other points go on, and a rerun retries it. The
+plot draws quality against budget, one line per policy, `full` as a horizontal line.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import fcntl
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
+
+import torch
 
 from ..errors import UserError, note
 from ..files import check_output
+from ..parallel import Shard, from_rank0, gather
 from ..policies import REGISTRY, budget_if_taken, parse_budget
 
 DEFAULT_BUDGETS = ("0.05", "0.1", "0.2", "0.5")
@@ -41,6 +46,39 @@ def check_budget_kinds(budgets) -> None:
     if len(kinds) > 1:
         raise UserError("--plot draws quality against the budget: give only fractions (0.1) or only token counts "
                         f"(64), not both ({', '.join(budgets)}); or leave out --plot")
+
+
+class Failed(NamedTuple):
+    """What `run_sweep` yields for a point that failed, in place of its rows."""
+    reason: str
+
+
+# What fails one point and not the sweep: a refused setting or a plugin's fault (UserError), or memory
+FAILS_A_POINT = (UserError, MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
+
+
+def contained(run_points: Callable, left: list[tuple]) -> Iterator[tuple[tuple, list[dict] | Failed]]:
+    """run_points(left), and when it fails (the points of a batched pass fail together): the points it had not
+    finished again in two halves, each the same way, so the points that do not fail still run batched and only
+    a point that fails alone is reported, as `Failed` (a batch too large for memory shrinks the same way)."""
+    done: set[tuple] = set()
+    try:
+        for point, rows in run_points(left):
+            done.add(point)
+            yield point, rows
+        return
+    except FAILS_A_POINT as e:
+        rest = [p for p in left if p not in done]
+        if len(rest) == 1:
+            yield rest[0], Failed(_reason(e))
+            return
+    yield from contained(run_points, rest[:len(rest) // 2])
+    yield from contained(run_points, rest[len(rest) // 2:])
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if isinstance(e, UserError) else f"{type(e).__name__}: {text}"
 
 
 def _key(row: dict) -> tuple:
@@ -80,16 +118,22 @@ def finished(f, out: Path, kind: str, settings: dict) -> dict[tuple, list[dict]]
 
 
 def run_sweep(kind: str, todo: list[tuple], run_points: Callable[[list[tuple]], Iterator[tuple[tuple, list[dict]]]],
-              out: Path | None, settings: dict, progress: bool = True) -> Iterator[tuple[tuple, list[dict]]]:
+              out: Path | None, settings: dict, progress: bool = True, ranks: Shard | None = None
+              ) -> Iterator[tuple[tuple, list[dict]]]:
     """(point, rows) for every point, those of the same settings already in `out` first and not run again.
     run_points(points) runs the others and yields (point, rows) as each finishes, in any order (a batched pass
-    finishes several at once; `one_by_one` runs them in turn). `settings`: everything besides the point that
-    changes a number (model, text, tokens, kv_bits, ...); each row written records it, and only rows with equal
-    settings are reused. One writer at a time: a second sweep on the same file is refused while the first runs
-    (an advisory lock on the file)."""
+    finishes several at once; `one_by_one` runs them in turn). A point that fails gives (point, `Failed`): it
+    is named on stderr, not written, and the others go on (`contained`). With `ranks` (torchrun: several
+    processes, each with the whole model) the points left are split over the ranks, each running its share as one
+    process would (batched); rank 0 alone reads and writes `out`, writes its own points as they finish and the
+    others' when they are gathered, and yields them all; the other ranks yield nothing. `settings`: everything
+    besides the point that changes a number (model, text, tokens, kv_bits, ...); each row written records it, and
+    only rows with equal settings are reused. One writer at a time: a second sweep on the same file is refused while
+    the first runs (an advisory lock on the file)."""
     from tqdm import tqdm
+    main = ranks is None or ranks.rank == 0
     f, existed = None, out is not None and out.exists()
-    if out is not None:
+    if out is not None and main:
         check_output(out, (".jsonl",))
         try:
             f = open(out, "a+", encoding="utf-8")
@@ -102,19 +146,35 @@ def run_sweep(kind: str, todo: list[tuple], run_points: Callable[[list[tuple]], 
             except OSError:
                 raise UserError(f"another sweep is writing {out} right now: wait for it, or give another --out") from None
         done = finished(f, out, kind, settings) if f is not None else {}
-        for point in todo:
+        for point in todo if main else ():
             if point in done:
                 yield point, done[point]
-        left = [p for p in todo if p not in done]
-        with tqdm(total=len(left), desc=f"sweep {kind}", unit="point", disable=not progress or None) as bar:
-            for point, rows in run_points(left) if left else ():
-                rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in rows]
-                if f is not None:  # a whole point per append: never half a point
-                    f.write("".join(json.dumps(r) + "\n" for r in rows))
-                    f.flush()
-                bar.set_postfix_str(f"{point[0]} {point[1] or ''}")
-                bar.update()
-                yield point, rows
+        left = from_rank0([p for p in todo if p not in done], ranks)
+        mine = left if ranks is None else left[ranks.rank::ranks.size]
+
+        def finish(point, rows):  # on rank 0: named if it failed, else written (a whole point per append)
+            if isinstance(rows, Failed):
+                note(f"h2o-mini: {point[0]} {point[1] or ''}: failed: {rows.reason}".replace("  ", " "))
+                return point, rows
+            rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in rows]
+            if f is not None:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+                f.flush()
+            return point, rows
+        theirs = []
+        with tqdm(total=len(left), desc=f"sweep {kind}", unit="point", disable=not progress or not main or None) as bar:
+            for point, rows in contained(run_points, mine) if mine else ():
+                if main:
+                    bar.set_postfix_str(f"{point[0]} {point[1] or ''}")
+                    bar.update()
+                    yield finish(point, rows)
+                else:
+                    theirs.append((point, rows))
+            if ranks is not None:
+                shares = gather(theirs, ranks)  # a collective: every rank takes part
+                for point, rows in (item for share in shares[1:] for item in share) if main else ():
+                    bar.update()
+                    yield finish(point, rows)
     finally:
         if f is not None:
             empty = f.tell() == 0
@@ -134,8 +194,11 @@ def summary(kind: str, results: dict[tuple, list[dict]]) -> list[dict]:
 
 
 def share(value: float, worse: float | None, better: float | None) -> float | None:
-    """How much of the way from `worse` to `better` a value goes (1: all of it; negative: the wrong way)."""
-    return None if worse is None or better is None or worse == better else (worse - value) / (worse - better) + 0.0
+    """How much of the way from `worse` to `better` a value goes (1: all of it; negative: the wrong way); None
+    where the way is under 0.1% of `better` (h2o already at full, say): a share of nothing reads as -10000%."""
+    if worse is None or better is None or abs(worse - better) < 1e-3 * abs(better):
+        return None
+    return (worse - value) / (worse - better) + 0.0
 
 
 def gaps(rows: list[dict]) -> list[dict]:
@@ -153,15 +216,17 @@ def table(kind: str, results: dict[tuple, list[dict]]) -> str:
     name = METRICS[kind][0]
     width = max([14] + [len(p) + 2 for p, _ in results])
     rows = summary(kind, results)
-    shares = kind == "ppl" and any(r["policy"] in ("h2o", "hindsight") for r in rows)
-    lines = [f"{'policy':<{width}}{'budget':>8}  {name:>9}" + ("  of h2o's gap to full  of h2o's gap to hindsight"
-                                                                if shares else "")]
-    for row in gaps(rows) if shares else rows:
+    present = {r["policy"] for r in rows}
+    columns = [(key, title) for key, title, needs in (("of_h2o_gap", "of h2o's gap to full", "h2o"),
+                                                      ("of_hindsight", "of h2o's gap to hindsight", "hindsight"))
+               if kind == "ppl" and "h2o" in present and needs in present]
+    lines = [f"{'policy':<{width}}{'budget':>8}  {name:>9}" + "".join(f"  {title}" for _, title in columns)]
+    for row in gaps(rows) if columns else rows:
         line = f"{row['policy']:<{width}}{row['budget'] or 'all':>8}  {row[name]:>9.4f}"
-        if shares:
-            line += "".join(f"  {'' if v is None else f'{v:+.0%}':>{w}}" for v, w in
-                            ((row["of_h2o_gap"], 20), (row["of_hindsight"], 25)))
+        line += "".join(f"  {'' if row[key] is None else f'{row[key]:+.0%}':>{len(title)}}" for key, title in columns)
         lines.append(line.rstrip())
+    if any(key == "of_hindsight" for key, _ in columns):
+        lines.append("(hindsight is a reference, not a bound: a policy can pass it, over 100% of the gap)")
     return "\n".join(lines)
 
 

@@ -59,6 +59,7 @@ class Policy:
             raise UserError(f"{self}: every one of its {self.capacity} slots is protected when the first token "
                             "must be evicted, so the arriving token cannot be placed; give it a smaller protected "
                             "share (e.g. --recent) or a larger --budget")
+        self.__dict__.pop("_checked_keep_score", None)  # a checked plugin (guard.py): its first real call is checked too
 
     def _all_protected(self, C: int) -> bool:
         """Whether keep_score protects every slot of a full cache (positions 0..C-1) when token C arrives."""

@@ -23,6 +23,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from ..errors import UserError
+from .guard import checked
 from .base import Policy, check_param
 
 GROUP = "h2o_mini.policies"
@@ -60,7 +61,7 @@ def _check_class(obj, where: str) -> type[Policy]:
         raise PluginError(f"{where} is not an h2o_mini Policy class (subclass h2o_mini.Policy)")
     if obj is Policy:
         raise PluginError(f"{where} is the Policy protocol itself, not a policy")
-    return obj
+    return checked(obj)  # code nobody here wrote: each hook's first call is checked (guard.py)
 
 
 def _from_module(module_name: str, attr: str, where: str) -> type[Policy]:

@@ -185,7 +185,8 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
     tokens/s (the machine is shared and noisy: side-by-side ratios need it) and the highest peak memory.
     kv_bits: 8 or 4 quantize keys and values. batches, prompt_tokens: an int or a sequence of them (a curve).
     `vs_hf`: transformers `generate` runs right after each configuration's run, on the same prompts. text: the
-    prompts' source text. `status`: kept up to date with what runs ("label", "stage"), for an interrupt."""
+    prompts' source text. `status`: kept up to date with what runs ("label", "stage") and with the runs so far,
+    for an interrupt (`unfinished_rows`)."""
     status = {} if status is None else status
     batches = (batches,) if isinstance(batches, int) else tuple(dict.fromkeys(batches))
     lengths = (prompt_tokens,) if isinstance(prompt_tokens, int) else tuple(dict.fromkeys(prompt_tokens))
@@ -216,6 +217,7 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
     param = next(lm.model.parameters())
     ids = text_ids(lm, text)
     runs = {key: [] for key in plan}
+    status.update(runs=runs, yielded=set(), cap=cap, vs_hf=vs_hf)
     for r in range(repeat):
         for key, b in plan.items():
             n, policy, budget, _ = key
@@ -230,7 +232,16 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
                 run.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
             runs[key].append(run)
             if r == repeat - 1:  # this configuration's last run: its row is ready now
+                status["yielded"].add(key)
                 yield _median(runs[key], cap, vs_hf)
+
+
+def unfinished_rows(status: dict) -> list[dict]:
+    """After an interrupt: a row for every configuration with some rounds finished but not all (its `rounds`
+    says how many), the medians of those rounds."""
+    runs = status.get("runs", {})
+    return [_median(r, status["cap"], status["vs_hf"]) for key, r in runs.items()
+            if r and key not in status["yielded"]]
 
 
 def _median(runs: list[dict], cap: int | None, vs_hf: bool = False) -> dict:
@@ -241,7 +252,7 @@ def _median(runs: list[dict], cap: int | None, vs_hf: bool = False) -> dict:
         return statistics.median(values) if all(v is not None for v in values) else None
 
     row = dict(runs[-1], prefill_s=round(median("prefill_s"), 4), decode_tok_s=median("decode_tok_s"),
-               decode_tok_s_runs=[x["decode_tok_s"] for x in runs])
+               decode_tok_s_runs=[x["decode_tok_s"] for x in runs], rounds=len(runs))
     if vs_hf:
         row.update(hf_prefill_s=median("hf_prefill_s"), hf_decode_tok_s=median("hf_decode_tok_s"),
                    hf_decode_tok_s_runs=[x["hf_decode_tok_s"] for x in runs])

@@ -21,6 +21,7 @@ from ..generate import Decoder, left_pad
 from ..model import Transformer
 from .naive import naive_logits
 from ..policies import H2O, Local, Policy
+from ..policies.guard import PolicyFault
 from ..policies.rows import Rows
 
 TOL = 1e-4
@@ -187,13 +188,21 @@ def _beside_others(model, policy: Policy, ids: list[int], want: torch.Tensor) ->
 @torch.inference_mode()
 def check_policy(make, families=tuple(FAMILIES), progress=None) -> list[dict]:
     """Every path on every family (the compiled step and quantized storage on the first family), and the
-    closed form against the per-query rule. Rows: family, path, max_diff, passed."""
-    rows = [{"family": "-", "path": "accumulate = update per query", "max_diff": check_accumulate(make(T))}]
-    for i, family in enumerate(families):
-        for path, diff in check_paths(make, family, compiled=i == 0, quantized=i == 0):
-            rows.append({"family": family, "path": path, "max_diff": diff})
-            if progress:
-                progress(rows[-1])
+    closed form against the per-query rule. Rows: family, path, max_diff, passed. A hook that breaks the
+    protocol (`policies/guard.py`: it raises, returns NaN, a wrong shape or dtype, or changes its inputs) ends the
+    check with a failed row whose `fault` names the hook and the fault."""
+    rows, family = [], "-"
+    try:
+        rows.append({"family": "-", "path": "accumulate = update per query", "max_diff": check_accumulate(make(T))})
+        for i, family in enumerate(families):
+            for path, diff in check_paths(make, family, compiled=i == 0, quantized=i == 0):
+                rows.append({"family": family, "path": path, "max_diff": diff})
+                if progress:
+                    progress(rows[-1])
+    except PolicyFault as e:
+        rows.append({"family": family, "path": "the protocol (docs/spec.md)", "max_diff": float("inf"), "fault": str(e)})
+        if progress:
+            progress(rows[-1])
     for row in rows:
         row["passed"] = row["max_diff"] <= TOL
     return rows

@@ -125,11 +125,11 @@ def test_a_failing_point_is_named_the_others_saved_and_a_rerun_retries_only_it(f
 def test_eval_generate_goes_on_past_a_failing_point(folder, capsys, monkeypatch, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Name a color.\nName a large animal.\n")
-    bad, out = rule_file(tmp_path, "raises"), tmp_path / "gen.jsonl"
+    bad, out = rule_file(tmp_path, "nan score"), tmp_path / "gen.jsonl"
     code, stdout, err = run_cli(capsys, monkeypatch, "eval", "generate", "--model", folder, "--prompts-file", prompts,
                                 "--max-new-tokens", 8, "--policy", "local", "--policy", bad, "--budget", 8,
                                 "--out", out, "--no-chat")
-    assert code != 0 and "keep_score raised ValueError: no rule today" in err and "1 of 3 points failed" in err
+    assert code != 0 and "update returned NaN" in err and "1 of 3 points failed" in err
     assert {json.loads(line)["policy"] for line in out.read_text().splitlines()} == {"full", "local"}
 
 
@@ -182,16 +182,11 @@ def test_parameters_that_change_c_never_silently_override_the_budget(folder, cap
                            "--policy", policy, "--budget", budget), "the parameters make C =")
 
 
-def test_parameters_alone_may_define_the_policy_and_params_agree_with_capacity(folder, capsys, monkeypatch):
+def test_parameters_alone_may_define_the_policy(folder, capsys, monkeypatch):
     code, out, err = run_cli(capsys, monkeypatch, "eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 100,
                              "--policy", "h2o:heavy=8,recent=24", "--json")
     assert code == 0, err
     assert json.loads(out)["capacity"] == 32 and json.loads(out)["params"] == {"heavy": 8, "recent": 24}
-    code, out, err = run_cli(capsys, monkeypatch, "eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 100,
-                             "--policy", "h2o", "--budget", 2000, "--json")
-    assert code == 0, err
-    row = json.loads(out)
-    assert row["capacity"] == 100 and row["params"]["heavy"] + row["params"]["recent"] == 100
 
 
 def test_refusals_come_before_the_work(folder, capsys, monkeypatch, tmp_path):

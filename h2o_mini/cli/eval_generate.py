@@ -6,10 +6,13 @@ from pathlib import Path
 
 import click
 
-from ..evals.generation import BUILTIN, Prompts, evaluate_many
+from ..api import encode_prompts
+from ..evals.generation import BUILTIN, Prompts, check_room, evaluate_many, policy_for
+from ..evals.sweep import points
 from ..files import read_prompts
 from ..generate import Sampling
-from ..policies import resolve
+from ..policies import recent_if_taken, resolve
+from ..policies.guard import PolicyFault
 from ..policies.base import refuse_lookahead
 from ..tools.plot import save_generation_plot
 from .eval import repeatable_policies
@@ -80,6 +83,14 @@ def eval_generate(model, dtype, device, policies, budgets, recent, kv_bits, prom
     else:
         prompts = Prompts("builtin", list(BUILTIN))
     lm, ranks = load_for_points(model, dtype, device)
+    ids = encode_prompts(lm, prompts.texts, chat)
+    check_room(lm, ids, max_new_tokens)  # the whole run's settings, refused before any point runs
+    for spec, budget in points(policies or ("h2o",), budgets or ("0.2",)):  # a refused setting: one line, now
+        for row in ids:
+            try:
+                policy_for(spec, budget, len(row) + max_new_tokens, recent_if_taken(spec, recent))
+            except PolicyFault:  # a plugin's fault fails its own point only, when it runs
+                pass
     setup = settings(lm, dtype, kv_bits, recent, "\n".join(prompts.texts), new_tokens=max_new_tokens,
                      prefill=prefill, chat=chat, **sampled)
     title = f"{lm.folder.name}: {prompts.name} prompts, {max_new_tokens} new tokens" + (

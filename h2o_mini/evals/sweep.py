@@ -154,7 +154,7 @@ def run_sweep(kind: str, todo: list[tuple], run_points: Callable[[list[tuple]], 
 
         def finish(point, rows):  # on rank 0: named if it failed, else written (a whole point per append)
             if isinstance(rows, Failed):
-                note(f"h2o-mini: {point[0]} {point[1] or ''}: failed: {rows.reason}".replace("  ", " "))
+                note(f"h2o-mini: {' '.join(p for p in point if p)}: failed: {rows.reason}")
                 return point, rows
             rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in rows]
             if f is not None:

@@ -39,8 +39,8 @@ def resolve(spec: "str | Spec") -> Spec:
 def make_policy(spec: "str | Spec", budget: str | float | int | None, length: int,
                 recent: str | float | int | None = None, quiet: bool = False) -> Policy:
     """A policy from CLI-style arguments: `spec` as `--policy` reads it (`plugins.py`), `budget` a fraction of
-    `length` or a token count (see the spec; a count past `length` is `length`: the same logits, and parameters
-    that agree with it). Parameters given in the spec set the fields `from_budget` leaves to them (a2sf's gamma);
+    `length` or a token count (see the spec). Parameters given in the spec set the fields `from_budget` leaves to
+    them (a2sf's gamma);
     if they change C, the budget is refused in one line rather than silently overridden, and with no budget they
     may define the policy alone (`h2o:heavy=8,recent=24`). A fraction so small that C rounds up to one token says
     so on stderr (unless `quiet`: callers that make one policy per request say it once themselves)."""
@@ -59,14 +59,14 @@ def make_policy(spec: "str | Spec", budget: str | float | int | None, length: in
         except TypeError:
             _needs_budget(spec)
     share = parse_budget(budget)
-    capacity = min(capacity_for(share, length), length)
+    capacity = capacity_for(share, length)
     if isinstance(share, float) and share * length < 0.5 and not quiet:
         note(f"h2o-mini: note: --budget {budget} of {length} tokens rounds to less than one token: C = 1")
     policy = cls.from_budget(capacity, recent_for(recent, capacity))
     if not spec.given:
         return policy
     given = replace(policy, **dict(spec.given))
-    if given.capacity is not None and min(given.capacity, length) != capacity:
+    if given.capacity is not None and min(given.capacity, length) != min(capacity, length):
         raise UserError(f"--policy {spec.text} --budget {budget}: the parameters make C = {given.capacity}, the budget "
                         f"C = {capacity} of {length} tokens; give the split with --recent and the size with --budget, "
                         "or leave --budget out to take the parameters alone")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from .base import Policy
 
 HOOKS = ("keep_score", "insert_score", "update", "accumulate", "prompt_score")
 
@@ -83,7 +84,6 @@ def checked(cls):
     fields and parameters: `dataclasses.replace` and `params()` work as on `cls`)."""
     if "_h2o_mini_checked" in cls.__dict__:  # once per class: the same subclass every time it is named
         return cls.__dict__["_h2o_mini_checked"]
-    from .base import Policy
     # only the hooks the plugin writes (or inherits from a class other than the protocol's): the defaults are
     # known to keep the protocol, and an untouched `update` keeps H2O's closed-form `accumulate`
     body = {hook: _guarded(hook, getattr(cls, hook)) for hook in HOOKS

@@ -13,7 +13,8 @@ import click
 from .. import api, parallel
 from ..evals.ppl import perplexities
 from ..errors import UserError, note
-from ..evals.sweep import Failed, check_budget_kinds, one_by_one, points, run_sweep, save_sweep_plot, table
+from ..evals.sweep import (Failed, check_budget_kinds, one_by_one, point_name, points, run_sweep, save_sweep_plot,
+                           table)
 from ..files import read_text
 from ..policies import LOOKAHEAD, REGISTRY, recent_if_taken
 from .eval import _harness, needle_options, ppl_options, repeatable_policies, task_result, tasks_options
@@ -67,7 +68,7 @@ def _sweep(kind: str, policies, budgets, out, plot_path, as_json, title: str, ru
     if plot_path and results:
         draw(results, Path(plot_path), title)
     if failed:
-        names = ", ".join(f"{p} {b}" if b else p for p, b in failed)
+        names = ", ".join(map(point_name, failed))
         raise UserError(f"{len(failed)} of {len(todo)} points failed ({names}; each named above)"
                         + (f": the others are in {out}, and a rerun with it retries only these" if out else ""))
 

@@ -76,6 +76,11 @@ def contained(run_points: Callable, left: list[tuple]) -> Iterator[tuple[tuple, 
     yield from contained(run_points, rest[len(rest) // 2:])
 
 
+def point_name(point: tuple) -> str:
+    """'h2o 0.1', or 'full' for a point without a budget."""
+    return " ".join(p for p in point if p)
+
+
 def _reason(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text if isinstance(e, UserError) else f"{type(e).__name__}: {text}"
@@ -154,7 +159,7 @@ def run_sweep(kind: str, todo: list[tuple], run_points: Callable[[list[tuple]], 
 
         def finish(point, rows):  # on rank 0: named if it failed, else written (a whole point per append)
             if isinstance(rows, Failed):
-                note(f"h2o-mini: {' '.join(p for p in point if p)}: failed: {rows.reason}")
+                note(f"h2o-mini: {point_name(point)}: failed: {rows.reason}")
                 return point, rows
             rows = [dict(r, sweep=kind, spec=point[0], budget=point[1], settings=settings) for r in rows]
             if f is not None:

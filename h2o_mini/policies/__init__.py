@@ -54,10 +54,13 @@ def make_policy(spec: "str | Spec", budget: str | float | int | None, length: in
             raise UserError(f"policy {spec.name!r} keeps every token: --budget does not apply to it")
         return cls(**dict(spec.given))
     if budget is None:
-        try:
-            return cls(**dict(spec.given)) if spec.given and recent is None else _needs_budget(spec)
-        except TypeError:
-            _needs_budget(spec)
+        if spec.given and recent is None:
+            try:  # the parameters alone, if they are every field the policy needs
+                return cls(**dict(spec.given))
+            except TypeError:
+                pass
+        raise UserError(f"policy {spec.name!r} needs --budget (or every parameter of its size in --policy "
+                        f"{spec.name}:...)")
     share = parse_budget(budget)
     capacity = capacity_for(share, length)
     if isinstance(share, float) and share * length < 0.5 and not quiet:
@@ -71,11 +74,6 @@ def make_policy(spec: "str | Spec", budget: str | float | int | None, length: in
                         f"C = {capacity} of {length} tokens; give the split with --recent and the size with --budget, "
                         "or leave --budget out to take the parameters alone")
     return given
-
-
-def _needs_budget(spec: Spec):
-    raise UserError(f"policy {spec.name!r} needs --budget (or every parameter of its size in --policy "
-                    f"{spec.name}:...)")
 
 
 def recent_if_taken(spec, recent):

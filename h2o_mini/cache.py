@@ -2,7 +2,8 @@
 
 The contract is `docs/spec.md`. Read this file after the naive reference (`tools/naive.py`) and the policy
 (`policies/h2o.py`): `evict` is the rule's one choice and `LayerCache.step` takes one token per row through
-steps 1-4 of the spec (evict, insert, attend, update) with static shapes, so that generate.py can compile it.
+steps 1-4 of the spec (evict, insert, attend, update) with static shapes, so that generate.py can compile it
+(`prompt.stream_token` is the same four steps over a prompt chunk's slots).
 
 Every slot holds a key and a value (stored by a codec, `quant.py`: as they are, or as 8/4-bit codes), the
 original position of its token (-1: no token) and the policy's fp32 score; nothing here is specific to one
@@ -33,32 +34,6 @@ def evict(keep: torch.Tensor, pos: torch.Tensor, room: torch.Tensor) -> torch.Te
     return torch.where(lowest, pos, prompt.NEWEST).argmin(-1, keepdim=True)  # the oldest of the lowest
 
 
-def stream_token(policy, score, pos, alive, member, logits, t, ok, slots, keys, values):
-    """Steps 1-4 of the rule for the token at position t, over the virtual slots of `prompt.stream`.
-
-    score, pos: (B, H, S) fp32 / int64; alive (attendable) and member (in the row's cache, a token or not):
-    (B, H, S) bool; logits: (B, H, g, S) this token's fp32 attention logits; t: (B, 1, 1) its position; ok:
-    (B, 1, 1) whether it is a real token (padding evicts, inserts and scores nothing), or None when every row's
-    is (the ops that only padding needs are left out); slots: arange(S); keys, values: (B, H, S, hd).
-    Element-wise masks only (no indexing by t), so torch.compile fuses it.
-    """
-    seen = torch.where(alive, pos, -1)  # the policy sees exactly the cached tokens (-1: no token)
-    keep = torch.where(alive, policy.keep_score(score, seen, t, keys, values), -torch.inf)
-    victim = slots == evict(keep, pos, member)  # 1. evict (a slot with no token while the cache fills)
-    arrive = pos == t  # 2. insert
-    if ok is not None:
-        victim, arrive = victim & ok, arrive & ok
-    kept = ~victim
-    member = member & kept | arrive
-    alive = alive & kept | arrive
-    seen_by_query = alive if ok is None else alive | ~ok  # padding attends everything: no empty softmax
-    probs = torch.where(seen_by_query[:, :, None], logits, -torch.inf).softmax(-1)  # 3. attend: (B, H, g, S)
-    if policy.needs_scores:  # 4. update
-        new = policy.accumulate(score, probs.sum(2, keepdim=True), alive[:, :, None])
-        score = new if ok is None else torch.where(ok, new, score)
-    return score, alive, member, probs
-
-
 class LayerCache:
     """One layer's slots: (B, n_kv_head, C), C the widest row's; row b has the first `room[b]` of them."""
 
@@ -68,7 +43,8 @@ class LayerCache:
                  prefill: str = "dense", kv_bits: int | None = None, token_fn=None):
         """rows: each row's slots; window: a sliding layer's W (positions p <= t - W are dead: evicted first,
         never attended); prefill: the prompt path ("dense" or "stream"); token_fn: the stream loop's body."""
-        self.policy, self.window, self.prefill, self.token_fn = policy, window, prefill, token_fn or stream_token
+        self.policy, self.window, self.prefill = policy, window, prefill
+        self.token_fn = token_fn or prompt.stream_token
         self.rows, self.capacity = rows, max(rows)
         self.scale, self.cap = cfg.attn_scale, cfg.attn_softcap  # logits: cap * tanh(scale * q.k / cap) (Gemma 2)
         self.codec = codec(kv_bits, cfg.head_dim, dtype)
@@ -80,6 +56,7 @@ class LayerCache:
         own = torch.tensor(rows, device=device)[:, None, None]  # (B, 1, 1)
         self.room = torch.arange(max(rows), device=device) < own  # (B, 1, C): the slots each row has
         self.fresh = True  # nothing read yet: a dense prompt may come
+        self.rendezvous = None  # set while `wavefront.read` batches several layers' stream loops
 
     def tensors(self) -> tuple[torch.Tensor, ...]:  # what the cache holds: K and V as stored, positions, scores
         return (*self.k, *self.v, self.pos, self.score)
@@ -103,6 +80,9 @@ class LayerCache:
         """q: (B, n_head, T, hd); k, v: (B, H, T, hd) after RoPE; pos: (B, T) original positions (< 0: padding).
         Returns (B, n_head, T, hd). T = 1 is a decode step; T > 1 a prompt chunk."""
         k, v = self.codec.encode(k), self.codec.encode(v)  # parts: attention reads them as stored
+        if self.rendezvous is not None:  # a text read a wavefront at a time (wavefront.py): every input streams
+            self.fresh = False
+            return self.rendezvous(self, q, k, v, pos)
         if q.shape[2] == 1:
             return self.step(q, k, v, pos)
         dense, self.fresh = self.prefill == "dense" and self.fresh, False
@@ -159,7 +139,9 @@ class KVCache:
         rows = [self._rows(cfg, policy, i, batch, length) for i in range(cfg.n_layer)]
         self.evicts = any(min(r) < length for r in rows)  # else nothing ever leaves: full's logits
         self.prefill = prefill if self.evicts else "dense"
-        token_fn = torch.compile(stream_token, fullgraph=True, dynamic=False) if compile else stream_token
+        # compiled: one graph for the loop body, dynamic in the rows (a wavefront's width varies, `wavefront.py`)
+        token_fn = prompt.stream_token
+        token_fn = torch.compile(token_fn, fullgraph=True, dynamic=None) if compile else token_fn
         self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), r, cfg.window(i), dtype, device,
                                   self.prefill, kv_bits, token_fn) for i, r in enumerate(rows)]
         self.kv_bits = self.layers[0].codec.bits

@@ -1,15 +1,18 @@
 """The two ways a `cache.LayerCache` reads a prompt chunk (more than one token per row); docs/spec.md, "Prompts".
 
 * `stream`: the spec's rule token by token, as if the chunk were generated, exactly. Each layer has the whole
-  chunk's q, k, v at once, so the attention logits of every token to every slot come from one matmul; only
-  the small evict / insert / softmax / update body (`stream_token`) runs once per token, over C + K
-  "virtual" slots (the C cached tokens in position order, then the K new ones); the survivors are then
-  compacted back into the C slots.
+  chunk's q, k, v at once, so the attention logits of every token to every slot come from one matmul, and
+  the attention of the whole chunk is one masked softmax; only the choice of what to evict (and a scoring
+  rule's update), `stream_token`, runs once per token, over C + K "virtual" slots (the C cached tokens in
+  position order, then the K new ones); the survivors are then compacted back into the C slots.
+  `stream_many` runs several layers' chunks as one batch (`wavefront.py`).
 * `dense`: causal attention over the prompt with nothing evicted, the scores summed over its queries, then
   the C tokens with the highest keep-score at the last prompt position stay (the spec's shortcut, for a
   first prompt).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -19,44 +22,193 @@ from .quant import cat_slots, gather_slots
 NEWEST = torch.iinfo(torch.int64).max  # a position later than any token: never the oldest
 
 
+class Chunk(NamedTuple):
+    """What the stream loop's body reads and never changes: a prompt chunk's virtual slots (`prompt.stream`: the
+    cached tokens in position order, then the chunk's), and three 0-dim constants (a 0-dim operand costs no
+    op where a Python number costs two)."""
+    pos: torch.Tensor  # (B, H, S): each virtual slot's position
+    keys: torch.Tensor  # (B, H, S, hd), as attention reads them
+    values: torch.Tensor
+    window: int | None  # a sliding layer's W
+    nothing: torch.Tensor  # -1: no token
+    minus_inf: torch.Tensor
+    largest: torch.Tensor  # the largest fp32: a protected (+inf) slot still ranks below "never chosen"
+
+
+def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk):
+    """Steps 1-4 of the rule for one token of a prompt chunk, in place. In the chunk's virtual slots the first
+    lowest slot is the oldest, so the first minimum is `cache.evict`'s choice. score: (B, H, S) fp32; seen: (B, H, S)
+    the position of each live (attendable) token, -1 elsewhere; lid: (B, H, S) fp32, what a slot adds to its
+    keep-score in the choice: 0, a live token; -inf, one of the row's slots with no live token (empty, or dead
+    on a sliding layer: it goes first); +inf, not one of the row's slots (one it lacks, an evicted token's, or
+    one whose token is still to come: never chosen). logits: (B, H, g, S) this token's; t: (B, H, 1) its
+    position; slot: (B, H, 1) its virtual slot; ok: t >= 0 (padding evicts, inserts and scores nothing), or
+    None when every row's token is real. Returns the scores, the slot given up (B, H, 1) and, for a rule that
+    reads attention, this token's probabilities (B, H, g, S) (else None). Additions rather than `where`s (a
+    third of the time on a CPU), and no branch on values, so torch.compile fuses it.
+    """
+    if chunk.window is not None:  # tokens that left the window: no longer attended, and evicted first
+        dead = (chunk.pos <= t - chunk.window) & (seen >= 0)
+        seen.masked_fill_(dead, -1)
+        lid.masked_fill_(dead, -torch.inf)
+    keep = torch.minimum(policy.keep_score(score, seen, t[:, :1], chunk.keys, chunk.values), chunk.largest)
+    # 1. evict (+inf protects, yet a slot goes); -inf + inf: a keep-score of -inf where no slot of the row is
+    key = (keep + lid).nan_to_num(nan=torch.inf, posinf=torch.inf, neginf=-torch.inf)
+    victim = key.min(-1, keepdim=True).indices  # (B, H, 1): the first of the lowest
+    if ok is not None:  # padding gives up its own slot, which never holds a token
+        victim = torch.where(ok, victim, slot)
+    seen.scatter_(2, victim, -1)
+    lid.scatter_(2, victim, torch.inf)
+    seen.scatter_(2, slot, t)  # 2. insert (padding: t < 0, no token)
+    lid.scatter_(2, slot, 0.0) if ok is None else lid.scatter_(2, slot, torch.where(ok, 0.0, torch.inf).expand_as(t))
+    probs = None
+    if policy.needs_scores:  # 3. attend (for a rule that reads none, the chunk's output is attended at once)
+        bias = -lid.abs()  # 0 at a live token, -inf elsewhere
+        if ok is not None:  # padding attends everything: no empty softmax
+            bias = torch.where(ok, bias, 0.0)
+        probs = (logits + bias[:, :, None]).softmax(-1)  # (B, H, g, S)
+        new = policy.update(score, probs.sum(2), seen >= 0)  # 4. update
+        score = new if ok is None else torch.where(ok, new, score)
+    return score, victim, probs
+
+
 def stream(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     """The chunk through the rule one token at a time. q: (B, n_head, K, hd); k_parts, v_parts: the codec's
     parts of (B, H, K, ...); pos: (B, K) (< 0: padding, which takes no slot). -> (B, n_head, K, hd)."""
-    B, H, C = c.pos.shape
-    n_head, K, D = q.shape[1], q.shape[2], q.shape[3]
-    g = n_head // H
-    # Virtual slots: the cached tokens in position order (empty slots first; slots a row does not have last, so
-    # that a row's sums run over its slots in the same order whatever its neighbours' capacities), then the K new.
-    order = torch.where(c.room, c.pos, NEWEST).argsort(dim=-1, stable=True)  # (B, H, C)
-    vk_parts = cat_slots(gather_slots(c.k, order), k_parts)  # (B, H, C+K, ...)
-    vv_parts = cat_slots(gather_slots(c.v, order), v_parts)
-    vk, vv = c.codec.decode(vk_parts), c.codec.decode(vv_parts)  # (B, H, C+K, hd)
-    vpos = torch.cat([c.pos.gather(2, order), pos[:, None, :].expand(B, H, K)], 2)  # (B, H, C+K)
-    vscore = torch.cat([c.score.gather(2, order), c.policy.insert_score(vk[:, :, C:])], 2)
-    none = vpos.new_zeros(B, H, K, dtype=torch.bool)
-    alive = torch.cat([vpos[..., :C] >= 0, none], 2)  # attendable
-    member = torch.cat([c.room.expand(B, H, C).gather(2, order), none], 2)  # a slot of the row's cache
-    logits = _logits(c, q, vk)  # (B, H, g, K, C+K)
-    probs = torch.empty_like(logits)
-    slots = torch.arange(C + K, device=q.device)
-    padded = bool((pos < 0).any())  # (one host sync a chunk) without padding, the loop leaves out its masks
-    for i in range(K):
-        t = pos[:, i, None, None]  # (B, 1, 1)
-        ok = t >= 0 if padded else None  # padding: ok is False
-        if c.window is not None:  # dead tokens: not attended, evicted first (as empty slots are)
-            alive = alive & (vpos > t - c.window)
-        vscore, alive, member, probs[:, :, :, i] = c.token_fn(c.policy, vscore, vpos, alive, member,
-                                                              logits[:, :, :, i], t, ok, slots, vk, vv)
-    out = probs.to(vv.dtype).view(B, H, g * K, C + K) @ vv  # (B, H, g*K, hd)
-    # Each row still has exactly its own number of members (one left for each one that came in): compact them.
-    kept = (~member).to(torch.uint8).argsort(dim=-1, stable=True)[..., :C]  # (B, H, C), members first
-    kept_alive = alive.gather(2, kept)
-    for stored, virtual in ((c.k, vk_parts), (c.v, vv_parts)):
-        for part, survivor in zip(stored, gather_slots(virtual, kept)):
-            part.copy_(survivor)
-    c.pos.copy_(vpos.gather(2, kept).masked_fill(~kept_alive, -1))
-    c.score.copy_(vscore.gather(2, kept).masked_fill(~kept_alive, 0.0))
-    return out.view(B, n_head, K, D)
+    return stream_many([(c, q, k_parts, v_parts, pos)])[0]
+
+
+def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
+    """`stream` for several caches' chunks at once (one layer's each, all with the same B, H, C and K; e.g.
+    chunk c at layer l beside chunk c-1 at layer l+1, `wavefront.py`), as the rows of one batch.
+
+    Only the choice of what to evict is sequential. So: the tokens before the first eviction (while every row
+    still has empty slots) need no loop; the loop then records which slot each token gives up (and, for a rule
+    that reads attention, updates the scores); and the attention of the whole chunk is one masked softmax at
+    the end, each token's mask rebuilt from when every slot arrived and left (for a rule that reads attention,
+    the loop's own probabilities)."""
+    reads = [_Read(*r) for r in requests]
+    P, (B, H, S), K, C = len(reads), reads[0].vpos.shape, reads[0].K, reads[0].C
+    stack = (lambda xs: torch.stack(xs, 1).flatten(0, 1)) if P > 1 else (lambda xs: xs[0])  # row b*P + p
+    c0, policy = reads[0].c, _one_policy([r.c.policy for r in reads], B)
+    vk, vv, vpos, score, member, pos = (stack([getattr(r, name) for r in reads])
+                                        for name in ("vk", "vv", "vpos", "score", "member", "pos"))
+    windows = [r.c.window for r in reads]
+    window = windows[0] if len(set(windows)) == 1 else torch.tensor(  # per row: a global layer's never ends
+        [w or 2**40 for _ in range(B) for w in windows], device=vpos.device)[:, None, None]
+    real = pos >= 0  # (B', K)
+    padded = not bool(real.all())  # (one host sync) without padding, the loop leaves out its masks
+    # When each slot's token arrives (the token index; -1: cached before the chunk; K: never) and leaves (K: not
+    # in this chunk): a token attends exactly the slots with arrive <= i < leave, on a sliding layer the ones
+    # still in its window (and padding attends every slot, so that its output, never read, is finite).
+    tokens = torch.arange(K, device=vpos.device)
+    arrive = torch.cat([torch.where(vpos[..., :C] >= 0, -1, K),
+                        torch.where(real, tokens, K)[:, None].expand(-1, H, K)], 2)  # (B', H, S)
+    logits = _logits(c0, stack([r.q for r in reads]), vk)  # (B', H, g, K, S)
+
+    def in_window(rows: slice) -> torch.Tensor | bool:  # (B', H, k, S): the slots inside each token's window
+        w = window if window is None or isinstance(window, int) else window[..., None]
+        return True if w is None else vpos[:, :, None] > pos[:, None, rows, None] - w
+
+    def attention(rows: slice, leave=None) -> torch.Tensor:  # (B', H, g, k, S) fp32 probabilities of `rows`
+        i = tokens[rows, None]  # (k, 1)
+        mask = (arrive[:, :, None] <= i) & in_window(rows)  # (B', H, k, S)
+        if leave is not None:
+            mask = mask & (leave[:, :, None] > i)
+        if padded:
+            mask = mask | ~real[:, None, rows, None]
+        return logits[:, :, :, rows].masked_fill(~mask[:, :, None], -torch.inf).softmax(-1)
+
+    # Before the first eviction each row's empty slots (first in the order) take the tokens: no loop, and the
+    # scores are the policy's `accumulate` over those queries at once.
+    first = min(K, int((member & (vpos < 0)).sum(-1).amin()))
+    if first and policy.needs_scores:
+        probs = attention(slice(0, first))  # (B', H, g, first, S)
+        p = probs.sum(2)  # (B', H, first, S)
+        attended = ((arrive[:, :, None] <= tokens[:first, None]) & real[:, None, :first, None]
+                    & in_window(slice(0, first)))
+        if padded:  # padding attended everything, but counts for nothing
+            p = p.masked_fill(~attended, 0.0)
+        score = policy.accumulate(score, p, attended)
+        logits[:, :, :, :first] = probs  # a token's logits are not read again once its probabilities are in
+    taken = torch.arange(S, device=vpos.device) < real[:, :first].sum(-1)[:, None, None]  # the empties filled
+    arrived = (arrive >= 0) & (arrive < first)  # the chunk's tokens in the cache (on a sliding layer, some dead)
+    alive = arrive < first
+    if first and window is not None:  # the tokens still in the window of the last one read
+        alive = alive & in_window(slice(first - 1, first))[:, :, 0]
+    lid = torch.where(alive, 0.0, torch.where(member & ~taken | arrived, -torch.inf, torch.inf))  # (B', H, S)
+    seen = torch.where(alive, vpos, -1)  # see `stream_token`
+    chunk = Chunk(vpos, vk, vv, window, vpos.new_tensor(-1), logits.new_tensor(-torch.inf),
+                  logits.new_tensor(torch.finfo(torch.float32).max))
+    # Each token's views, made once: its logits (B', H, g, S), position and virtual slot (B', H, 1).
+    token_logits = logits.unbind(3)
+    token_pos = pos[:, None, :, None].expand(-1, H, K, 1).unbind(2)
+    token_slot = torch.arange(C, C + K, device=vpos.device).view(1, 1, K, 1).expand(B * P, H, K, 1).unbind(2)
+    given_up = []
+    for i in range(first, K):
+        t = token_pos[i]
+        score, victim, p = c0.token_fn(policy, score, seen, lid, token_logits[i], t, token_slot[i],
+                                       t[:, :1] >= 0 if padded else None, chunk)
+        given_up.append(victim)
+        if p is not None:
+            token_logits[i].copy_(p)
+    if policy.needs_scores:  # every token's attention is already in hand, where its logits were
+        probs = logits  # (B', H, g, K, S)
+    else:  # padding gives up its own slot: it never arrived, so its "leave" changes no mask
+        leave = torch.full_like(arrive, K)
+        if given_up:
+            leave.scatter_(2, torch.cat(given_up, 2), tokens[first:].expand(B * P, H, -1))
+        probs = attention(slice(0, K), leave)
+    out = probs.to(vv.dtype).view(B * P, H, -1, S) @ vv  # (B', H, g*K, hd)
+    unstack = (lambda x: x.unflatten(0, (B, P)).unbind(1)) if P > 1 else (lambda x: [x])
+    return [r.finish(*state) for r, state in zip(reads, zip(*map(unstack, (score, seen, lid, out))))]
+
+
+def _one_policy(policies: list, B: int):
+    """The policy of rows stacked b*P + p from P caches' policies (each a policy, or `Rows` of B rows): equal
+    neighbours share one part, so a rule's hooks run once for all its rows."""
+    from .policies.rows import Rows  # (rows imports nothing of ours but the protocol)
+    each = [[q for q, n in p.parts for _ in range(n)] if isinstance(p, Rows) else [p] * B for p in policies]
+    parts: list[list] = []
+    for q in (each[p][b] for b in range(B) for p in range(len(policies))):
+        if parts and parts[-1][0] == q:
+            parts[-1][1] += 1
+        else:
+            parts.append([q, 1])
+    return parts[0][0] if len(parts) == 1 else Rows([tuple(x) for x in parts])
+
+
+class _Read:
+    """One cache's chunk in the stream: its virtual slots, the cached tokens in position order (empty slots
+    first; slots a row does not have last, so that a row's sums run over its slots in the same order whatever
+    its neighbours' capacities), then the chunk's K; and the survivors compacted back into the C slots."""
+
+    def __init__(self, c, q, k_parts, v_parts, pos):
+        B, H, C = c.pos.shape
+        self.c, self.q, self.pos, self.C, self.K = c, q, pos, C, q.shape[2]
+        order = torch.where(c.room, c.pos, NEWEST).argsort(dim=-1, stable=True)  # (B, H, C)
+        self.vk_parts = cat_slots(gather_slots(c.k, order), k_parts)  # (B, H, C+K, ...)
+        self.vv_parts = cat_slots(gather_slots(c.v, order), v_parts)
+        self.vk, self.vv = c.codec.decode(self.vk_parts), c.codec.decode(self.vv_parts)  # (B, H, C+K, hd)
+        self.vpos = torch.cat([c.pos.gather(2, order), pos[:, None, :].expand(B, H, self.K)], 2)  # (B, H, C+K)
+        self.score = torch.cat([c.score.gather(2, order), c.policy.insert_score(self.vk[:, :, C:])], 2)
+        self.member = torch.cat([c.room.expand(B, H, C).gather(2, order),
+                                 self.vpos.new_zeros(B, H, self.K, dtype=torch.bool)], 2)
+
+    def finish(self, score, seen, lid, out) -> torch.Tensor:
+        """Compacts the members (each row has exactly its own number: one left for each one that came in) into
+        the C slots, and returns the chunk's output (B, n_head, K, hd)."""
+        c, alive = self.c, seen >= 0
+        member = alive | (lid == -torch.inf)
+        kept = (~member).to(torch.uint8).argsort(dim=-1, stable=True)[..., :self.C]  # (B, H, C), members first
+        kept_alive = alive.gather(2, kept)
+        for stored, virtual in ((c.k, self.vk_parts), (c.v, self.vv_parts)):
+            for part, survivor in zip(stored, gather_slots(virtual, kept)):
+                part.copy_(survivor)
+        c.pos.copy_(self.vpos.gather(2, kept).masked_fill(~kept_alive, -1))
+        c.score.copy_(score.gather(2, kept).masked_fill(~kept_alive, 0.0))
+        B, n_head, K, D = self.q.shape
+        return out.view(B, n_head, K, D)
 
 
 def _logits(c, q, vk) -> torch.Tensor:

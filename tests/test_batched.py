@@ -132,3 +132,21 @@ def test_perplexities_api_runs_configs_in_one_pass(byte_folder):
     for (policy, budget), result in got.items():
         alone = perplexity(lm, text, 64, policy, budget, compare_full=True)
         assert abs(result["nll"] - alone["nll"]) <= 1e-5 and result["capacity"] == 16
+
+
+def test_the_default_batch_is_what_fits_in_memory(tiny_model, monkeypatch):
+    """--max-batch left out: the rows that fit in half the free memory at the estimated bytes of a row (the
+    widest row's C sets every row's slots), said in each result's `memory`; with room for two rows the points
+    run two at a time and give the numbers of one batch."""
+    from h2o_mini.evals import memory
+    model, ids = tiny_model("llama_gqa_tied"), text_bytes(64, offset=700)
+    policies = [make_policy(name, 0.25, 64) for name in ("h2o", "tova", "local", "knorm")]
+    reference = full_logprobs(model, ids)
+    need = memory.row_bytes(model.cfg, 64, 16, 16, None)
+    assert need > memory.row_bytes(model.cfg, 64, 8, 16, None) > 0  # a wider row needs more
+    wide = dict(score_many(model, ids, policies, reference, chunk=16, max_batch=4, progress=False))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 5 * need)  # half of it: room for two rows
+    narrow = dict(score_many(model, ids, policies, reference, chunk=16, progress=False))
+    for i, r in narrow.items():
+        assert r["batch"] == 2 and r["memory"] == {"row_bytes": need, "free_bytes": 5 * need, "max_batch": 2}
+        assert abs(r["nll"] - wide[i]["nll"]) <= 1e-5

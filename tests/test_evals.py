@@ -189,16 +189,18 @@ def test_sweep_ppl_resumes_and_plots(folder, tmp_path, capsys, monkeypatch):
     code, stdout, err = run_cli(capsys, monkeypatch, *args, "--plot", png)
     assert code == 0, err
     assert ran == [("local", "0.5"), ("h2o", "0.25"), ("h2o", "0.5")]  # the first two were skipped
-    # The same rows, but for the time and the batch (3 rows now, 4 before: a batched matmul may round a row's
-    # last bits differently in another batch, so numbers to 1e-9)
+    # The same rows, but for the time, the batch and the memory free when it ran (3 rows now, 4 before: a batched
+    # matmul may round a row's last bits differently in another batch, so numbers to 1e-9)
     again = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r.keys() for r in again] == [r.keys() for r in rows]
     for mine, theirs in zip(again, rows):
         for k, v in mine.items():
             if isinstance(v, float) and not k.startswith("seconds"):
                 assert abs(v - theirs[k]) <= 1e-9 * max(1.0, abs(v)), k
-            elif not k.startswith("seconds") and k != "batch":
+            elif not k.startswith("seconds") and k not in ("batch", "memory"):
                 assert v == theirs[k], k
+        if "memory" in mine:  # the estimate of a row's bytes depends on the rows' widest C only
+            assert mine["memory"]["row_bytes"] == theirs["memory"]["row_bytes"]
     assert "h2o" in stdout and png.read_bytes()[:4] == b"\x89PNG"
 
 

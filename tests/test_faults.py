@@ -189,6 +189,20 @@ def test_parameters_alone_may_define_the_policy(folder, capsys, monkeypatch):
     assert json.loads(out)["capacity"] == 32 and json.loads(out)["params"] == {"heavy": 8, "recent": 24}
 
 
+def test_the_json_params_agree_with_the_capacity_even_past_the_text(folder, capsys, monkeypatch):
+    """A budget larger than the text is honoured (every token kept): the JSON states the policy that ran, its
+    parameters summing to its C, and counts the bytes of the cache actually held."""
+    code, out, err = run_cli(capsys, monkeypatch, "eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 100,
+                             "--policy", "h2o", "--budget", 2000, "--json")
+    assert code == 0, err
+    roomy = json.loads(out)
+    assert roomy["capacity"] == sum(roomy["params"].values()) == 2000
+    code, out, err = run_cli(capsys, monkeypatch, "eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 100,
+                             "--policy", "full", "--json")
+    full = json.loads(out)
+    assert roomy["kv_bytes"] == full["kv_bytes"] and roomy["nll"] == full["nll"]
+
+
 def test_refusals_come_before_the_work(folder, capsys, monkeypatch, tmp_path):
     from h2o_mini import api
     import importlib.util

@@ -208,3 +208,22 @@ def test_a_sweep_under_torchrun_splits_its_points_and_equals_one_process(folder,
         assert a["kv_bytes"] == b["kv_bytes"] and a["params"] == b["params"]
     again = torchrun(*args, "--out", two)
     assert again.returncode == 0 and again.stdout == tp.stdout and len(two.read_text().splitlines()) == 9
+
+
+def test_eval_generate_under_torchrun_splits_its_points_and_equals_one_process(folder, tmp_path):
+    """`eval generate` under two CPU ranks: each rank writes its share of the points (full's reference is every
+    rank's own), rank 0 gathers, prints and writes --out: point for point what one process gives."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The licence says that you may\n\nCopy\n")
+    args = ["eval", "generate", "--model", folder, "--prompts-file", prompts, "--max-new-tokens", 10,
+            "--policy", "local", "--policy", "h2o", "--policy", "tova", "--budget", 6, "--budget", 12]
+    two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+    tp, alone = torchrun(*args, "--out", two), run(*args, "--out", one)
+    assert tp.returncode == 0 and alone.returncode == 0, tp.stderr[:3000] + alone.stderr[-1000:]
+    assert [line.split()[:2] for line in tp.stdout.splitlines()] == [line.split()[:2] for line in alone.stdout.splitlines()]
+    got = {(r["policy"], r["budget"]): r for r in map(json.loads, two.read_text().splitlines())}
+    want = {(r["policy"], r["budget"]): r for r in map(json.loads, one.read_text().splitlines())}
+    assert got.keys() == want.keys() and len(got) == 7  # full and 3 policies x 2 budgets
+    for key, r in got.items():
+        assert abs(r["nll"] - want[key]["nll"]) <= 1e-5 and abs(r["kl_full"] - want[key]["kl_full"]) <= 1e-5, key
+        assert r["agree_tokens"] == want[key]["agree_tokens"] and r["kv_bytes"] == want[key]["kv_bytes"], key

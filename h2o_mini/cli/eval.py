@@ -41,8 +41,10 @@ def _one(values: tuple, flag: str, command: str):
 
 def ppl_options(f, sweep: bool = False):
     if sweep:  # rows of many policies share one pass, run eagerly (one compiled loop per policy would not pay)
-        f = click.option("--max-batch", default=32, show_default=True, type=click.IntRange(1, 4096),
-                         help="at most N policy/budget points as the rows of one pass (memory grows with N)")(f)
+        f = click.option("--max-batch", type=click.IntRange(1, 4096),
+                         help="at most N policy/budget points as the rows of one pass (memory grows with N; default: "
+                         "as many as fit in half the free memory at the bytes a row needs, reported as 'memory' "
+                         "in the JSON)")(f)
     else:
         f = click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: "
                          "on for cuda; on CPU a compiled call costs more than the small ops it fuses)")(f)

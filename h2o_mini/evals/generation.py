@@ -196,7 +196,7 @@ def evaluate_many(lm: LM, prompts: Prompts, new_tokens: int, points: list[tuple]
             for r, (row_ids, policy) in enumerate(zip(ids, made[j])):
                 agree, share = divergence(mine[c * P + r], ref[r])
                 length = len(row_ids) + new_tokens
-                per_prompt.append({"prompt_tokens": len(row_ids), "capacity": min(policy.capacity or length, length),
+                per_prompt.append({"prompt_tokens": len(row_ids), "capacity": policy.capacity or length,
                                    "nll": nll[c * P + r], "kl_full": kl[c * P + r], "agree_tokens": agree,
                                    "agree_share": share, "kv_bytes": decoder.cache_bytes(policy, 1, length),
                                    "kv_bytes_full": plain.cache_bytes(full, 1, length),

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..api import LM, as_policy, scored_ids
 from ..errors import UserError
+from .. import wavefront
 from ..generate import Decoder, left_pad
 from ..model import Transformer
 from ..parallel import kv_bytes
@@ -24,6 +25,7 @@ from ..policies.base import keeps_all_of
 from ..policies.rows import Rows
 from ..quant import check_kv_bits
 from .hindsight import hindsight_logits
+from .memory import rows_that_fit
 
 
 @torch.inference_mode()
@@ -68,13 +70,15 @@ def score_text(model: Transformer, ids: list[int], policy: Policy, chunk: int = 
 
 @torch.inference_mode()
 def score_many(model: Transformer, ids: list[int], policies: list[Policy], reference: torch.Tensor, chunk: int = 256,
-               max_batch: int = 32, progress: bool = True, kv_bits: int | None = None) -> Iterator[tuple[int, dict]]:
+               max_batch: int | None = None, progress: bool = True, kv_bits: int | None = None
+               ) -> Iterator[tuple[int, dict]]:
     """`score_text(..., compare_full=True)` for every policy, as (index in `policies`, result) when it finishes.
     The policies that evict run up to `max_batch` at a time as the rows of one batch (`policies/rows.py`): the
     text in every row, each row with its own policy and capacities, one pass for all; each row's numbers are
     its policy's run alone (to the rounding of batched matmuls; tested to 1e-5 nats). Those that keep every token
     (full; their slots would widen every row's) or read ahead (hindsight: a pass of its own) run alone. `reference`: full's
-    log-probs (`full_logprobs`). A result's `seconds` is its batch's time over its rows (`batch`)."""
+    log-probs (`full_logprobs`). A result's `seconds` is its batch's time over its rows (`batch`). max_batch None:
+    as many rows as fit in memory (`memory.rows_that_fit`, reported in each result's `memory`)."""
     device = next(model.parameters()).device
     T = len(ids)
     decoder = Decoder(model, chunk=chunk, kv_bits=kv_bits)
@@ -84,23 +88,29 @@ def score_many(model: Transformer, ids: list[int], policies: list[Policy], refer
                             kv_bits=kv_bits)
     rest = [i for i in range(len(policies)) if i not in alone]
     x = torch.tensor([ids], device=device)
+    fit = None
+    if max_batch is None and rest:  # the widest row sets every row's slots
+        widest = max(min(policies[i].capacity or T, T) for i in rest)
+        fit = rows_that_fit(model.cfg, T, widest, chunk, kv_bits, device, next(model.parameters()).dtype)
+        max_batch = fit["max_batch"]
     for at in range(0, len(rest), max_batch):
         batch = rest[at:at + max_batch]
         t0, n = time.perf_counter(), len(batch)
         cache = decoder.new_cache(Rows([(policies[i], 1) for i in batch]), n, T, "stream")
         sums = torch.zeros(n, 3, dtype=torch.float64)  # per row: NLL, top-1 agreements, KL(full || policy)
-        bar = tqdm(range(0, T, chunk), desc=f"eval {n} policies", unit="chunk", disable=None if progress else True,
-                   leave=False)
-        for s in bar:
-            idx = x[:, s:s + chunk].expand(n, -1)  # (n, k): the same tokens in every row
-            h = model.hidden(idx, torch.arange(s, s + idx.shape[1], device=device).expand(n, -1), cache)
+        idx, pos = x.expand(n, -1), torch.arange(T, device=device).expand(n, -1)  # the same tokens in every row
+        hidden = (wavefront.read(model.hidden, cache, idx, pos, chunk) if model.shard is None else
+                  ((s, model.hidden(idx[:, s:s + chunk], pos[:, s:s + chunk], cache)) for s in range(0, T, chunk)))
+        for s, h in tqdm(hidden, total=-(-T // chunk), desc=f"eval {n} policies", unit="chunk",
+                         disable=None if progress else True, leave=False):
             for b, e in blocks(s, h.shape[1], T):  # the head one row and block at a time: never (n, k, V)
                 for r in range(n):
                     tally(sums[r], model.head(h[r, b - s:e - s]), x[0, b + 1:e + 1], reference[b:e])
         seconds = (time.perf_counter() - t0) / n
         for r, i in enumerate(batch):
             slots = decoder.cache_bytes(policies[i], 1, T)
-            yield i, dict(result(model, policies[i], sums[r], T, seconds, decoder.stored_bits, slots), batch=n)
+            out = dict(result(model, policies[i], sums[r], T, seconds, decoder.stored_bits, slots), batch=n)
+            yield i, out if fit is None else dict(out, memory=fit)
 
 
 def blocks(start: int, length: int, T: int) -> Iterator[tuple[int, int]]:
@@ -122,9 +132,10 @@ def tally(sums: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, ref: 
 
 def result(model, policy: Policy, sums: torch.Tensor, T: int, seconds: float, bits: int, slots: int,
            compare_full: bool = True) -> dict:
-    """One policy's numbers from its sums over the T - 1 scored positions."""
+    """One policy's numbers from its sums over the T - 1 scored positions. `capacity` is the policy's C, as its
+    `params` make it (past the text's T it keeps every token; `kv_bytes` counts what was held)."""
     nll, agree, kl = (sums / (T - 1)).tolist()
-    out = {"policy": policy.name, "params": policy.params(), "capacity": min(policy.capacity or T, T),
+    out = {"policy": policy.name, "params": policy.params(), "capacity": policy.capacity or T,
            "tokens": T, "nll": nll, "ppl": float(torch.tensor(nll).exp()), "seconds": round(seconds, 3),
            "kv_bits": bits, **kv_bytes(model, slots)}
     if compare_full:
@@ -151,7 +162,10 @@ def read_logits(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> Iter
     if not cache.evicts:  # one pass: with the cache if it quantizes (attention reads K and V as stored)
         yield 0, model(idx, pos) if decoder.kv_bits is None else model(idx, pos, cache)
         return
-    for s in range(0, T, chunk):
+    if model.shard is None:  # the loops of chunk c at layer l, chunk c-1 at layer l+1, ... as one (wavefront.py)
+        yield from wavefront.read(model, cache, idx, pos, chunk)
+        return
+    for s in range(0, T, chunk):  # under tensor parallel, the chunks in turn
         yield s, model(idx[:, s:s + chunk], pos[:, s:s + chunk], cache)
 
 
@@ -166,10 +180,10 @@ def perplexity(lm: LM, text: str, tokens: int, policy: str | Policy = "full", bu
 
 
 def perplexities(lm: LM, text: str, tokens: int, configs: list[tuple], recent=None, chunk: int = 256,
-                 max_batch: int = 32, progress: bool = True, kv_bits: int | None = None) -> Iterator[tuple]:
+                 max_batch: int | None = None, progress: bool = True, kv_bits: int | None = None) -> Iterator[tuple]:
     """eval sweep ppl: `perplexity(..., compare_full=True)` for every (policy, budget) in `configs`, yielded as
     (config, result) when it finishes; the evicting ones run `max_batch` at a time as the rows of one batched
-    pass (`score_many`). `recent` reaches only the policies that take it. Every policy is made (and
+    pass (`score_many`; None: as many as fit in memory). `recent` reaches only the policies that take it. Every policy is made (and
     checked) before the first pass.
 
         results = dict(h2o_mini.perplexities(lm, text, 2048, [("h2o", 0.1), ("tova", 0.1), ("local", 0.2)]))
@@ -178,7 +192,7 @@ def perplexities(lm: LM, text: str, tokens: int, configs: list[tuple], recent=No
     made = [as_policy(p, b, tokens, None if isinstance(p, Policy) else recent_if_taken(p, recent))
             for p, b in configs]
     kv_bits = check_kv_bits(kv_bits)
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
         raise UserError(f"--max-batch {max_batch!r} must be an integer >= 1")
     reference = full_logprobs(lm.model, ids)
     for i, result in score_many(lm.model, ids, made, reference, chunk, max_batch, progress, kv_bits):

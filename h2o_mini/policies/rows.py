@@ -65,6 +65,10 @@ class Rows:
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
         return torch.cat([policy.insert_score(k) for policy, (k,) in self._split(keys)])
 
+    def update(self, score, p, attended) -> torch.Tensor:
+        return torch.cat([policy.update(s, pp, a) if policy.needs_scores else s
+                          for policy, (s, pp, a) in self._split(score, p, attended)])
+
     def accumulate(self, score, probs, attended) -> torch.Tensor:
         return torch.cat([policy.accumulate(s, p, a) if policy.needs_scores else s
                           for policy, (s, p, a) in self._split(score, probs, attended)])

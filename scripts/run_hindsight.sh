@@ -7,8 +7,8 @@ set -euo pipefail
 out=${1:-results}
 lic=/usr/share/common-licenses
 for text in GPL-3 GFDL-1.3; do
-  h2o-mini eval sweep ppl --text $lic/$text --tokens 2048 --policy h2o --policy hindsight \
+  h2o-mini eval sweep ppl --chunk 256 --text $lic/$text --tokens 2048 --policy h2o --policy hindsight \
     --budget 0.05 --budget 0.1 --budget 0.2 --out "$out/hindsight_$text.jsonl" --json > /dev/null
 done
-h2o-mini eval sweep ppl --model gemma3-270m --text $lic/GPL-3 --tokens 2048 --policy h2o --policy local \
+h2o-mini eval sweep ppl --chunk 256 --model gemma3-270m --text $lic/GPL-3 --tokens 2048 --policy h2o --policy local \
   --policy hindsight --budget 0.1 --budget 0.2 --out "$out/hindsight_gemma3-270m_GPL-3.jsonl" --json > /dev/null

@@ -14,7 +14,7 @@ for model in $models; do
   # 1. Every registered policy at 0.1 / 0.2 of the first 4096 tokens of two texts (C = 410 / 819: below and above
   #    Gemma's window of 512), every token scored in stream mode, against full on the same run.
   for text in GPL-3 GFDL-1.3; do
-    h2o-mini eval sweep ppl --model "$model" --text $lic/$text --tokens 4096 --budget 0.1 --budget 0.2 \
+    h2o-mini eval sweep ppl --chunk 256 --model "$model" --text $lic/$text --tokens 4096 --budget 0.1 --budget 0.2 \
       --out "$out/models_${model}_$text.jsonl" --plot "$out/models_${model}_$text.png" --json > /dev/null
   done
   # 2. The needle at 1k / 2k / 4k tokens, three depths, under full, h2o and local at 0.2 (dense prefill).

@@ -9,7 +9,7 @@ out=${1:-results}
 mkdir -p "$out"
 lic=/usr/share/common-licenses
 for text in GPL-3 GFDL-1.3; do
-  h2o-mini eval sweep ppl --text $lic/$text --tokens 2048 --budget 0.05 --budget 0.1 --budget 0.2 \
+  h2o-mini eval sweep ppl --chunk 256 --text $lic/$text --tokens 2048 --budget 0.05 --budget 0.1 --budget 0.2 \
     --policy h2o --policy a2sf --policy vatp --policy paged_h2o --policy rkv \
     --policy a2sf:gamma=0.9 --policy a2sf:gamma=0.95 --policy a2sf:gamma=0.999 \
     --out "$out/workbench_$text.jsonl" --plot "$out/workbench_$text.png" --json > /dev/null

@@ -79,11 +79,14 @@ def test_kv_bits_on_the_command_line(byte_folder):
 
 
 @pytest.mark.slow
-def test_8_bit_h2o_is_within_a_hundredth_of_a_nat_on_real_text():
+def test_8_bit_h2o_is_within_two_hundredths_of_a_nat_on_real_text():
+    """8-bit keys and values cost h2o at 0.2 little on 512 tokens of real text. How little depends on which
+    near-tied tokens the 8-bit codes tip out, which moves with the stream chunk: 0.003 / 0.012 / 0.003 nats at
+    chunks of 256 / 128 / 64 (the same before the wavefront), so the bound is 0.02, not the 0.01 of one chunk."""
     import h2o_mini
     lm = h2o_mini.load("default")
     text = GPL3.read_text()
     plain = h2o_mini.perplexity(lm, text, 512, "h2o", "0.2", progress=False)
     eight = h2o_mini.perplexity(lm, text, 512, "h2o", "0.2", progress=False, kv_bits=8)
     assert eight["kv_bytes"] < plain["kv_bytes"] / 3
-    assert eight["nll"] != plain["nll"] and abs(eight["nll"] - plain["nll"]) <= 0.01
+    assert eight["nll"] != plain["nll"] and abs(eight["nll"] - plain["nll"]) <= 0.02

@@ -48,8 +48,9 @@ def ppl_options(f, sweep: bool = False):
     else:
         f = click.option("--compile/--no-compile", default=None, help="compile the per-token eviction loop (default: "
                          "on for cuda; on CPU a compiled call costs more than the small ops it fuses)")(f)
-    f = click.option("--chunk", default=256, show_default=True, type=click.IntRange(1, 65536),
-                     help="stream chunk size")(f)
+    f = click.option("--chunk", default=128, show_default=True, type=click.IntRange(1, 65536),
+                     help="stream chunk size (exact at any size; a smaller chunk makes the loops of more layers "
+                     "run together and their slots narrower: docs/benchmarks.md)")(f)
     f = click.option("--compare-full", is_flag=True, help="also report top1_agree_full and kl_full (same run)")(f)
     f = click.option("--tokens", required=True, type=click.IntRange(2, COUNT), help="score the first N tokens")(f)
     return click.option("--text", "text_path", required=True, help="a UTF-8 text file, or - for standard input")(f)

@@ -116,7 +116,7 @@ def sweep_ppl(model, dtype, device, policies, budgets, recent, kv_bits, out, plo
             yield point, [result]
     title = f"{lm.folder.name}: perplexity under eviction, {tokens} tokens of {Path(text_path).name}"
     _sweep("ppl", policies or (*REGISTRY, *LOOKAHEAD), budgets, out, plot_path, as_json, title, run_points,
-           settings(lm, dtype, kv_bits, recent, text, tokens=tokens), ranks=ranks)
+           settings(lm, dtype, kv_bits, recent, text, tokens=tokens, chunk=chunk), ranks=ranks)
 
 
 @sweep.command(name="needle", short_help="Needle in a haystack at every point.", epilog="""\b

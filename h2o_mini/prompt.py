@@ -24,21 +24,18 @@ NEWEST = torch.iinfo(torch.int64).max  # a position later than any token: never 
 
 class Chunk(NamedTuple):
     """What the stream loop's body reads and never changes: a prompt chunk's virtual slots (`prompt.stream`: the
-    cached tokens in position order, then the chunk's), and three 0-dim constants (a 0-dim operand costs no
-    op where a Python number costs two)."""
+    cached tokens in position order, then the chunk's)."""
     pos: torch.Tensor  # (B, H, S): each virtual slot's position
     keys: torch.Tensor  # (B, H, S, hd), as attention reads them
     values: torch.Tensor
-    window: int | None  # a sliding layer's W
-    nothing: torch.Tensor  # -1: no token
-    minus_inf: torch.Tensor
-    largest: torch.Tensor  # the largest fp32: a protected (+inf) slot still ranks below "never chosen"
+    window: int | torch.Tensor | None  # a sliding layer's W (per row, (B, 1, 1), where layers of both kinds mix)
+    largest: torch.Tensor  # 0-dim, the largest fp32: a protected (+inf) slot still ranks below "never chosen"
 
 
 def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk):
     """Steps 1-4 of the rule for one token of a prompt chunk, in place. In the chunk's virtual slots the first
-    lowest slot is the oldest, so the first minimum is `cache.evict`'s choice. score: (B, H, S) fp32; seen: (B, H, S)
-    the position of each live (attendable) token, -1 elsewhere; lid: (B, H, S) fp32, what a slot adds to its
+    lowest slot is the oldest, so the first minimum is `cache.evict`'s choice. score: (B, H, S) fp32; seen:
+    (B, H, S) the position of each live (attendable) token, -1 elsewhere; lid: (B, H, S) fp32, what a slot adds to its
     keep-score in the choice: 0, a live token; -inf, one of the row's slots with no live token (empty, or dead
     on a sliding layer: it goes first); +inf, not one of the row's slots (one it lacks, an evicted token's, or
     one whose token is still to come: never chosen). logits: (B, H, g, S) this token's; t: (B, H, 1) its
@@ -60,7 +57,10 @@ def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk):
     seen.scatter_(2, victim, -1)
     lid.scatter_(2, victim, torch.inf)
     seen.scatter_(2, slot, t)  # 2. insert (padding: t < 0, no token)
-    lid.scatter_(2, slot, 0.0) if ok is None else lid.scatter_(2, slot, torch.where(ok, 0.0, torch.inf).expand_as(t))
+    if ok is None:
+        lid.scatter_(2, slot, 0.0)
+    else:
+        lid.scatter_(2, slot, torch.where(ok, 0.0, torch.inf).expand_as(t))
     probs = None
     if policy.needs_scores:  # 3. attend (for a rule that reads none, the chunk's output is attended at once)
         bias = -lid.abs()  # 0 at a live token, -inf elsewhere
@@ -138,8 +138,7 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
         alive = alive & in_window(slice(first - 1, first))[:, :, 0]
     lid = torch.where(alive, 0.0, torch.where(member & ~taken | arrived, -torch.inf, torch.inf))  # (B', H, S)
     seen = torch.where(alive, vpos, -1)  # see `stream_token`
-    chunk = Chunk(vpos, vk, vv, window, vpos.new_tensor(-1), logits.new_tensor(-torch.inf),
-                  logits.new_tensor(torch.finfo(torch.float32).max))
+    chunk = Chunk(vpos, vk, vv, window, logits.new_tensor(torch.finfo(torch.float32).max))
     # Each token's views, made once: its logits (B', H, g, S), position and virtual slot (B', H, 1).
     token_logits = logits.unbind(3)
     token_pos = pos[:, None, :, None].expand(-1, H, K, 1).unbind(2)

@@ -110,11 +110,12 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
         w = window if window is None or isinstance(window, int) else window[..., None]
         return True if w is None else vpos[:, :, None] > pos[:, None, rows, None] - w
 
-    def attention(rows: slice, leave=None) -> torch.Tensor:  # (B', H, g, k, S) fp32 probabilities of `rows`
+    def attended(rows: slice, leave=None) -> torch.Tensor:  # (B', H, k, S): the slots tokens `rows` attend
         i = tokens[rows, None]  # (k, 1)
-        mask = (arrive[:, :, None] <= i) & in_window(rows)  # (B', H, k, S)
-        if leave is not None:
-            mask = mask & (leave[:, :, None] > i)
+        mask = (arrive[:, :, None] <= i) & in_window(rows)
+        return mask if leave is None else mask & (leave[:, :, None] > i)
+
+    def attention(mask: torch.Tensor, rows: slice) -> torch.Tensor:  # (B', H, g, k, S) fp32 probabilities
         if padded:
             mask = mask | ~real[:, None, rows, None]
         return logits[:, :, :, rows].masked_fill(~mask[:, :, None], -torch.inf).softmax(-1)
@@ -123,13 +124,13 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
     # scores are the policy's `accumulate` over those queries at once.
     first = min(K, int((member & (vpos < 0)).sum(-1).amin()))
     if first and policy.needs_scores:
-        probs = attention(slice(0, first))  # (B', H, g, first, S)
+        mask = attended(slice(0, first))
+        probs = attention(mask, slice(0, first))  # (B', H, g, first, S)
         p = probs.sum(2)  # (B', H, first, S)
-        attended = ((arrive[:, :, None] <= tokens[:first, None]) & real[:, None, :first, None]
-                    & in_window(slice(0, first)))
         if padded:  # padding attended everything, but counts for nothing
-            p = p.masked_fill(~attended, 0.0)
-        score = policy.accumulate(score, p, attended)
+            mask = mask & real[:, None, :first, None]
+            p = p.masked_fill(~mask, 0.0)
+        score = policy.accumulate(score, p, mask)
         logits[:, :, :, :first] = probs  # a token's logits are not read again once its probabilities are in
     taken = torch.arange(S, device=vpos.device) < real[:, :first].sum(-1)[:, None, None]  # the empties filled
     arrived = (arrive >= 0) & (arrive < first)  # the chunk's tokens in the cache (on a sliding layer, some dead)
@@ -157,7 +158,7 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
         leave = torch.full_like(arrive, K)
         if given_up:
             leave.scatter_(2, torch.cat(given_up, 2), tokens[first:].expand(B * P, H, -1))
-        probs = attention(slice(0, K), leave)
+        probs = attention(attended(slice(0, K), leave), slice(0, K))
     out = probs.to(vv.dtype).view(B * P, H, -1, S) @ vv  # (B', H, g*K, hd)
     unstack = (lambda x: x.unflatten(0, (B, P)).unbind(1)) if P > 1 else (lambda x: [x])
     return [r.finish(*state) for r, state in zip(reads, zip(*map(unstack, (score, seen, lid, out))))]

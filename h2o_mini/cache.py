@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from . import prompt
-from .config import Config
-from .model import softcap
+from .config import Config, layer_inv_freq
+from .model import Rope, softcap
 from .policies import Policy
+from .policies.base import keep_scores
 from .quant import codec, scatter_slots_
 
 
@@ -40,9 +41,10 @@ class LayerCache:
     dense_block = 128  # dense prompts attend in blocks of this many queries (tests set smaller ones)
 
     def __init__(self, cfg: Config, policy: Policy, rows: list[int], window: int | None, dtype, device,
-                 prefill: str = "dense", kv_bits: int | None = None, token_fn=None):
+                 prefill: str = "dense", kv_bits: int | None = None, token_fn=None, rope: Rope | None = None):
         """rows: each row's slots; window: a sliding layer's W (positions p <= t - W are dead: evicted first,
-        never attended); prefill: the prompt path ("dense" or "stream"); token_fn: the stream loop's body."""
+        never attended); prefill: the prompt path ("dense" or "stream"); token_fn: the stream loop's body;
+        rope: the layer's rotary embedding, for a rule that observes queries (`Policy.observe`)."""
         self.policy, self.window, self.prefill = policy, window, prefill
         self.token_fn = token_fn or prompt.stream_token
         self.rows, self.capacity = rows, max(rows)
@@ -55,15 +57,18 @@ class LayerCache:
         self.score = torch.zeros(shape, dtype=torch.float32, device=device)  # the policy's score per token
         own = torch.tensor(rows, device=device)[:, None, None]  # (B, 1, 1)
         self.room = torch.arange(max(rows), device=device) < own  # (B, 1, C): the slots each row has
+        n = policy.state_size(cfg.head_dim)  # a rule's own running numbers per query head (docs/spec.md)
+        self.rope, self.state = rope, (torch.zeros(*shape[:2], cfg.group, n, device=device) if n else None)
         self.fresh = True  # nothing read yet: a dense prompt may come
         self.rendezvous = None  # set while `wavefront.read` batches several layers' stream loops
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:  # what the cache holds: K and V as stored, positions, scores
+    def tensors(self) -> tuple[torch.Tensor, ...]:  # what the slots hold: K and V as stored, positions, scores
         return (*self.k, *self.v, self.pos, self.score)
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def nbytes(self) -> int:  # the slots, and a rule's own state (per query head, not per token)
+        held = self.tensors() + (() if self.state is None else (self.state,))
+        return sum(t.numel() * t.element_size() for t in held)
 
     def keys(self) -> torch.Tensor:
         return self.codec.decode(self.k)  # (B, H, C, hd) as attention reads them
@@ -91,8 +96,12 @@ class LayerCache:
     def step(self, q, k, v, pos) -> torch.Tensor:
         """One token per row through the rule, in place: no host sync, no branch on values (it is compiled)."""
         policy, t = self.policy, pos[:, :, None]  # t: (B, 1, 1)
+        if self.state is not None:  # 0. observe: a rule's running state takes this token's queries (not padding's)
+            B, H, g, _ = self.state.shape
+            new = policy.observe(self.state, q.reshape(B, H, g, q.shape[-1]), t, self.rope)
+            self.state.copy_(torch.where(t[..., None] >= 0, new, self.state))
         # 1. evict: the lowest keep-score, where a slot with no live token (empty, or dead) scores -inf
-        keep = policy.keep_score(self.score, self.pos, t, self.keys(), self.values())  # (B, H, C)
+        keep = keep_scores(policy, self.score, self.pos, t, self.keys(), self.values(), self.state)  # (B, H, C)
         slot = evict(keep.masked_fill(~self.live(t), -torch.inf), self.pos, self.room)  # (B, H, 1)
         # 2. insert token t into that slot, with the score it enters with (0 for H2O)
         scatter_slots_(self.k, slot, k)
@@ -134,6 +143,7 @@ class KVCache:
         cache that never evicts reads it densely, which is the same); kv_bits: None, 8 or 4 (`quant.py`);
         compile: the stream loop's body as one compiled kernel. device: None = torch's default device."""
         device = torch.get_default_device() if device is None else device
+        policy = policy.for_model(cfg)  # a rule fitted to one model refuses another here
         self.policy, self.length = policy, length
         self.capacity = min(policy.capacity or length, length)  # C: the mean over layers, as the budget set it
         rows = [self._rows(cfg, policy, i, batch, length) for i in range(cfg.n_layer)]
@@ -142,8 +152,10 @@ class KVCache:
         # compiled: one graph for the loop body, dynamic in the rows (a wavefront's width varies, `wavefront.py`)
         token_fn = prompt.stream_token
         token_fn = torch.compile(token_fn, fullgraph=True, dynamic=None) if compile else token_fn
+        ropes = [layer_inv_freq(cfg, i) for i in range(cfg.n_layer)]
         self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), r, cfg.window(i), dtype, device,
-                                  self.prefill, kv_bits, token_fn) for i, r in enumerate(rows)]
+                                  self.prefill, kv_bits, token_fn, None if f is None else Rope(f.to(device)))
+                       for i, (r, f) in enumerate(zip(rows, ropes))]
         self.kv_bits = self.layers[0].codec.bits
 
     @staticmethod

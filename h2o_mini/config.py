@@ -109,3 +109,11 @@ def rope_inv_freq(cfg: Config, local: bool = False) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def layer_inv_freq(cfg: Config, layer: int) -> torch.Tensor | None:
+    """The inverse frequencies layer `layer` rotates with (Gemma 3's sliding layers have their own base), or None
+    for a model without RoPE."""
+    if not cfg.rotary_dim:
+        return None
+    return rope_inv_freq(cfg, local=bool(cfg.rope_theta_local and cfg.window(layer)))

@@ -60,6 +60,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
+class Rope:
+    """A layer's rotary embedding as a function of positions, for the rules that reason about queries at other
+    positions (`Policy.observe`: Expected Attention undoes a query's rotation and averages it over the next ones)."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq  # (rotary_dim / 2,) fp32
+
+    def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x: (..., hd) rotated as a token at `pos` (broadcastable to x.shape[:-1]; a negative pos undoes it)."""
+        angles = pos[..., None].float() * self.inv_freq.to(x.device)  # (..., rotary_dim / 2)
+        emb = torch.cat((angles, angles), -1)
+        return apply_rope(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+
+    def average(self, x: torch.Tensor, first: torch.Tensor, n: int) -> torch.Tensor:
+        """x: (..., hd) times the mean of the rotations to positions first .. first + n - 1 (first broadcastable to
+        x.shape[:-1]): each channel pair turns by the mean cosine and sine of its angles (not a rotation)."""
+        ahead = first[..., None].float() + torch.arange(n, device=x.device)  # (..., n)
+        angles = ahead[..., None] * self.inv_freq.to(x.device)  # (..., n, rotary_dim / 2)
+        cos, sin = angles.cos().mean(-2), angles.sin().mean(-2)
+        return apply_rope(x, torch.cat((cos, cos), -1).to(x.dtype), torch.cat((sin, sin), -1).to(x.dtype))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Config, shard: Shard | None = None, window: int | None = None):
         super().__init__()

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .model import softcap
+from .policies.base import keep_scores
 from .quant import cat_slots, gather_slots
 
 NEWEST = torch.iinfo(torch.int64).max  # a position later than any token: never the oldest
@@ -30,9 +31,10 @@ class Chunk(NamedTuple):
     values: torch.Tensor
     window: int | torch.Tensor | None  # a sliding layer's W (per row, (B, 1, 1), where layers of both kinds mix)
     largest: torch.Tensor  # 0-dim, the largest fp32: a protected (+inf) slot still ranks below "never chosen"
+    rope: object  # the layer's `model.Rope` (or None), for a rule that observes queries
 
 
-def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk):
+def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk, state=None, query=None):
     """Steps 1-4 of the rule for one token of a prompt chunk, in place. In the chunk's virtual slots the first
     lowest slot is the oldest, so the first minimum is `cache.evict`'s choice. score: (B, H, S) fp32; seen:
     (B, H, S) the position of each live (attendable) token, -1 elsewhere; lid: (B, H, S) fp32, what a slot adds to its
@@ -40,15 +42,19 @@ def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk):
     on a sliding layer: it goes first); +inf, not one of the row's slots (one it lacks, an evicted token's, or
     one whose token is still to come: never chosen). logits: (B, H, g, S) this token's; t: (B, H, 1) its
     position; slot: (B, H, 1) its virtual slot; ok: t >= 0 (padding evicts, inserts and scores nothing), or
-    None when every row's token is real. Returns the scores, the slot given up (B, H, 1) and, for a rule that
-    reads attention, this token's probabilities (B, H, g, S) (else None). Additions rather than `where`s (a
+    None when every row's token is real; state: (B, H, g, n) a rule's running state, which observes `query`
+    (B, H, g, hd) first (else None). Returns the scores, the slot given up (B, H, 1), for a rule that reads
+    attention this token's probabilities (B, H, g, S) (else None), and the state. Additions rather than `where`s (a
     third of the time on a CPU), and no branch on values, so torch.compile fuses it.
     """
     if chunk.window is not None:  # tokens that left the window: no longer attended, and evicted first
         dead = (chunk.pos <= t - chunk.window) & (seen >= 0)
         seen.masked_fill_(dead, -1)
         lid.masked_fill_(dead, -torch.inf)
-    keep = torch.minimum(policy.keep_score(score, seen, t[:, :1], chunk.keys, chunk.values), chunk.largest)
+    if state is not None:  # 0. observe
+        new = policy.observe(state, query, t[:, :1], chunk.rope)
+        state = new if ok is None else torch.where(ok[..., None], new, state)
+    keep = torch.minimum(keep_scores(policy, score, seen, t[:, :1], chunk.keys, chunk.values, state), chunk.largest)
     # 1. evict (+inf protects, yet a slot goes); -inf + inf: a keep-score of -inf where no slot of the row is
     key = (keep + lid).nan_to_num(nan=torch.inf, posinf=torch.inf, neginf=-torch.inf)
     victim = key.min(-1, keepdim=True).indices  # (B, H, 1): the first of the lowest
@@ -69,7 +75,7 @@ def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk):
         probs = (logits + bias[:, :, None]).softmax(-1)  # (B, H, g, S)
         new = policy.update(score, probs.sum(2), seen >= 0)  # 4. update
         score = new if ok is None else torch.where(ok, new, score)
-    return score, victim, probs
+    return score, victim, probs, state
 
 
 def stream(c, q, k_parts, v_parts, pos) -> torch.Tensor:
@@ -93,6 +99,7 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
     c0, policy = reads[0].c, _one_policy([r.c.policy for r in reads], B)
     vk, vv, vpos, score, member, pos = (stack([getattr(r, name) for r in reads])
                                         for name in ("vk", "vv", "vpos", "score", "member", "pos"))
+    state = None if c0.state is None else stack([r.c.state for r in reads])  # (B', H, g, n): a rule's own
     windows = [r.c.window for r in reads]
     window = windows[0] if len(set(windows)) == 1 else torch.tensor(  # per row: a global layer's never ends
         [w or 2**40 for _ in range(B) for w in windows], device=vpos.device)[:, None, None]
@@ -104,7 +111,9 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
     tokens = torch.arange(K, device=vpos.device)
     arrive = torch.cat([torch.where(vpos[..., :C] >= 0, -1, K),
                         torch.where(real, tokens, K)[:, None].expand(-1, H, K)], 2)  # (B', H, S)
-    logits = _logits(c0, stack([r.q for r in reads]), vk)  # (B', H, g, K, S)
+    q = stack([r.q for r in reads])  # (B', n_head, K, hd)
+    logits = _logits(c0, q, vk)  # (B', H, g, K, S)
+    queries = q.reshape(B * P, H, -1, K, q.shape[-1])  # (B', H, g, K, hd)
 
     def in_window(rows: slice) -> torch.Tensor | bool:  # (B', H, k, S): the slots inside each token's window
         w = window if window is None or isinstance(window, int) else window[..., None]
@@ -132,6 +141,8 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
             p = p.masked_fill(~mask, 0.0)
         score = policy.accumulate(score, p, mask)
         logits[:, :, :, :first] = probs  # a token's logits are not read again once its probabilities are in
+    if first and state is not None:
+        state = policy.observe_many(state, queries[:, :, :, :first], pos[:, :first], c0.rope)
     taken = torch.arange(S, device=vpos.device) < real[:, :first].sum(-1)[:, None, None]  # the empties filled
     arrived = (arrive >= 0) & (arrive < first)  # the chunk's tokens in the cache (on a sliding layer, some dead)
     alive = arrive < first
@@ -139,16 +150,17 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
         alive = alive & in_window(slice(first - 1, first))[:, :, 0]
     lid = torch.where(alive, 0.0, torch.where(member & ~taken | arrived, -torch.inf, torch.inf))  # (B', H, S)
     seen = torch.where(alive, vpos, -1)  # see `stream_token`
-    chunk = Chunk(vpos, vk, vv, window, logits.new_tensor(torch.finfo(torch.float32).max))
+    chunk = Chunk(vpos, vk, vv, window, logits.new_tensor(torch.finfo(torch.float32).max), c0.rope)
     # Each token's views, made once: its logits (B', H, g, S), position and virtual slot (B', H, 1).
     token_logits = logits.unbind(3)
     token_pos = pos[:, None, :, None].expand(-1, H, K, 1).unbind(2)
     token_slot = torch.arange(C, C + K, device=vpos.device).view(1, 1, K, 1).expand(B * P, H, K, 1).unbind(2)
+    token_query = queries.unbind(3) if state is not None else [None] * K
     given_up = []
     for i in range(first, K):
         t = token_pos[i]
-        score, victim, p = c0.token_fn(policy, score, seen, lid, token_logits[i], t, token_slot[i],
-                                       t[:, :1] >= 0 if padded else None, chunk)
+        score, victim, p, state = c0.token_fn(policy, score, seen, lid, token_logits[i], t, token_slot[i],
+                                              t[:, :1] >= 0 if padded else None, chunk, state, token_query[i])
         given_up.append(victim)
         if p is not None:
             token_logits[i].copy_(p)
@@ -161,7 +173,10 @@ def stream_many(requests: list[tuple]) -> list[torch.Tensor]:
         probs = attention(attended(slice(0, K), leave), slice(0, K))
     out = probs.to(vv.dtype).view(B * P, H, -1, S) @ vv  # (B', H, g*K, hd)
     unstack = (lambda x: x.unflatten(0, (B, P)).unbind(1)) if P > 1 else (lambda x: [x])
-    return [r.finish(*state) for r, state in zip(reads, zip(*map(unstack, (score, seen, lid, out))))]
+    if state is not None:
+        for r, s in zip(reads, unstack(state)):
+            r.c.state.copy_(s)
+    return [r.finish(*parts) for r, parts in zip(reads, zip(*map(unstack, (score, seen, lid, out))))]
 
 
 def _one_policy(policies: list, B: int):
@@ -257,9 +272,11 @@ def dense(c, q, k_parts, v_parts, pos) -> torch.Tensor:
                 probs.masked_fill_(~attended, 0.0)
             score = torch.cat([policy.accumulate(score[..., :e], probs, attended), score[..., e:]], -1)
     score = policy.prompt_score(score)
+    if c.state is not None:  # the rule's running state observes every prompt query, in order
+        c.state.copy_(policy.observe_many(c.state, q.reshape(B, H, -1, T, D), pos, c.rope))
     t_last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last prompt position
     prompt_pos = pos[:, None, :].expand(B, H, T)
-    keep = policy.keep_score(score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, k, v)
+    keep = keep_scores(policy, score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, k, v, c.state)
     keep = keep.masked_fill(~valid[:, None, :], -torch.inf)
     if c.window is not None:  # chosen among the tokens still inside the last position's window
         keep = keep.masked_fill(prompt_pos <= t_last - c.window, -torch.inf)

@@ -14,12 +14,13 @@ from fractions import Fraction
 
 import torch
 
+from h2o_mini.config import layer_inv_freq
 from h2o_mini.policies import Policy
 
 SUMMED = {"full", "local", "heavy_hitter", "h2o", "sinks", "snapkv", "pyramidkv", "vatp", "paged_h2o", "rkv"}
 WINDOWED = {"h2o": "recent", "scissorhands": "recent", "snapkv": "window", "pyramidkv": "window", "a2sf": "recent",
             "vatp": "recent", "paged_h2o": "recent", "rkv": "recent"}
-KNOWN = SUMMED | {"tova", "scissorhands", "knorm", "keydiff", "a2sf"}  # others: tools.naive.NaiveCache
+KNOWN = SUMMED | {"tova", "scissorhands", "knorm", "keydiff", "a2sf", "expected_attention"}  # others: NaiveCache
 
 
 def fake_quant(x: torch.Tensor, bits: int | None) -> torch.Tensor:
@@ -70,9 +71,11 @@ class ReferenceCache:
         # per layer: every K/V/position ever seen; per KV head: the cached indices and their scores, and for
         # scissorhands the list of important/not verdicts of every query since the token arrived
         self.state = [{"K": [], "V": [], "P": [], "cached": [[] for _ in range(cfg.n_kv_head)],
-                       "score": [{} for _ in range(cfg.n_kv_head)], "hist": [{} for _ in range(cfg.n_kv_head)]}
-                      for _ in range(cfg.n_layer)]
+                       "score": [{} for _ in range(cfg.n_kv_head)], "hist": [{} for _ in range(cfg.n_kv_head)],
+                       "layer": i} for i in range(cfg.n_layer)]
         self.layers = [_Layer(self, i) for i in range(cfg.n_layer)]  # what the model indexes
+        # Expected Attention: every query counted so far, as the model projected it (RoPE undone), per layer
+        self.cfg, self.queries = cfg, [[] for _ in range(cfg.n_layer)]
 
     def attend(self, layer, q, k, v, pos):
         assert q.shape[0] == 1, "the reference runs one row"
@@ -85,6 +88,7 @@ class ReferenceCache:
             return self._dense(layer, q, k, v, pos)
         st, C, name = self.state[layer], self.caps[layer], self.policy.name
         t = int(pos[0, 0])
+        self._observe(layer, q[0, :, 0], t)
         st["K"].append(k[0, :, 0])
         st["V"].append(v[0, :, 0])
         st["P"].append(t)
@@ -150,7 +154,52 @@ class ReferenceCache:
             return oldest_lowest(candidates, self._similarity(st["K"], cached, h))
         if name in ("vatp", "paged_h2o", "rkv"):
             return oldest_lowest(candidates, self._combined(cached, score, st, h))
+        if name == "expected_attention":
+            return oldest_lowest(candidates, self._expected(st["layer"], h, cached, t))
         return oldest_lowest(candidates, lambda j: score[j])  # heavy_hitter, h2o, snapkv, pyramidkv, tova, knorm, a2sf
+
+    def _rotation(self, layer: int, angles_of) -> torch.Tensor:
+        """The (hd, hd) matrix that turns channel pair (i, i + rd/2) by cos/sin `angles_of(inv_freq)` (rotate-half
+        RoPE on the first rd channels; the identity without RoPE), built entry by entry, in float64."""
+        d, inv = self.cfg.head_dim, layer_inv_freq(self.cfg, layer)
+        R = torch.eye(d, dtype=torch.float64)
+        if inv is None:
+            return R
+        half = inv.shape[0]
+        for i, (c, s) in enumerate(angles_of(inv.double())):
+            R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, -s, s, c
+        return R
+
+    def _observe(self, layer: int, q: torch.Tensor, t: int) -> None:
+        """Expected Attention's statistics take query t (n_head, hd), its rotation to t undone, from position sink on."""
+        if self.policy.name == "expected_attention" and t >= self.policy.sink:
+            R = self._rotation(layer, lambda inv: [(math.cos(t * w), math.sin(t * w)) for w in inv.tolist()])
+            self.queries[layer].append(q.double() @ R)  # R^T q per head: the query before RoPE
+
+    def _expected(self, layer: int, h: int, among, t: int):
+        """j -> Expected Attention's keep-score at t (docs/policies.md): the mean and covariance of the counted
+        queries of each head of the group, turned by the rotation averaged over t+1 .. t+future, the expected
+        exp(q.k / sqrt(d)) normalised over the non-sink tokens of `among`, averaged over the group, times |v|."""
+        pol, st, d = self.policy, self.state[layer], self.cfg.head_dim
+        A = self._rotation(layer, lambda inv: [
+            (sum(math.cos((t + n) * w) for n in range(1, pol.future + 1)) / pol.future,
+             sum(math.sin((t + n) * w) for n in range(1, pol.future + 1)) / pol.future) for w in inv.tolist()])
+        others = [j for j in among if st["P"][j] >= pol.sink]
+        keys = torch.stack([st["K"][j][h].double() for j in others]) if others else None
+        share = {j: 0.0 for j in others}
+        for qh in range(h * self.g, (h + 1) * self.g):
+            qs = [q[qh] for q in self.queries[layer]]
+            z = torch.zeros(len(others), dtype=torch.float64)
+            if qs and others:
+                m = sum(qs) / len(qs)
+                S = sum(torch.outer(x - m, x - m) for x in qs) / len(qs)
+                z = keys @ (A @ m) / math.sqrt(d)
+                if pol.covariance:
+                    z = z + torch.stack([k @ A @ S @ A.T @ k for k in keys]) / (2 * d)
+            for j, p in zip(others, z.softmax(0).tolist() if others else []):
+                share[j] += p / self.g
+        norm = (lambda j: float(st["V"][j][h].double().norm())) if pol.vnorm else (lambda j: 1.0)
+        return lambda j: math.inf if st["P"][j] < pol.sink or st["P"][j] > t - pol.recent else share[j] * norm(j)
 
     def _combined(self, among, score, st, h):
         """j -> the rank of vatp (score x |v|_1), paged_h2o (the summed score of j's page among `among`) or rkv
@@ -190,6 +239,8 @@ class ReferenceCache:
         st["K"] = list(k[0].transpose(0, 1))  # (H, hd) per token
         st["V"] = list(v[0].transpose(0, 1))
         st["P"] = pos[0].tolist()
+        for i in range(T):
+            self._observe(layer, q[0, :, i], i)
         W = self.windows[layer]
         sees = torch.ones(T, T, dtype=torch.bool).tril()  # [query i, token j]: causal, and within the window
         if W:
@@ -247,6 +298,9 @@ class ReferenceCache:
         if name == "keydiff":
             sim = self._similarity(st["K"], range(T), h)
             return best(among, lambda j: sim(j))[:C]
+        if name == "expected_attention":  # over every prompt token, as the cache passes them
+            rank = self._expected(st["layer"], h, range(T), T - 1)
+            return best(among, rank)[:C]
         return best(among, lambda j: s[j])[:C]  # heavy_hitter, tova, knorm
 
 

@@ -112,7 +112,8 @@ def test_conformance(tiny_model, name):
     assert all(torch.equal(a.pos, b.pos) for a, b in zip(cache1.layers, cache2.layers))
     cfg, C = model.cfg, cache1.capacity
     slot_bytes = 2 * cfg.head_dim * 4 + 8 + 4  # fp32 key and value, int64 position, fp32 score
-    assert cache1.nbytes == cfg.n_layer * 1 * cfg.n_kv_head * C * slot_bytes, "the same total as C in every layer"
+    own = cfg.n_layer * cfg.n_head * policy.state_size(cfg.head_dim) * 4  # a rule's state: fp32 per query head
+    assert cache1.nbytes == cfg.n_layer * 1 * cfg.n_kv_head * C * slot_bytes + own, "the same total as C in every layer"
     for lc in cache1.layers:
         assert all(t.shape[2] == lc.capacity for t in lc.tensors()), "storage really is the layer's C slots"
 

@@ -24,6 +24,7 @@ from ..weights.prepared import MODELS
 from .bench import bench
 from .check import check_policy
 from .explore import explore
+from .learn import learn_policy
 from .eval import eval_
 from .eval_generate import eval_generate
 from .eval_sweep import sweep
@@ -171,6 +172,7 @@ def kept(model, dtype, device, policies, budget, recent, text_path, tokens, laye
 
 cli.add_command(bench)
 cli.add_command(check_policy)
+cli.add_command(learn_policy)
 cli.add_command(explore)
 cli.add_command(eval_)
 eval_.add_command(sweep)

@@ -5,11 +5,13 @@ from dataclasses import replace
 
 from .base import BUDGET_HELP, Policy, capacity_for, describe, param, parse_budget, recent_for
 from .a2sf import A2SF
+from .expected_attention import ExpectedAttention
 from .full import Full
 from .h2o import H2O
 from .heavy_hitter import HeavyHitter
 from .hindsight import Hindsight
 from .keydiff import KeyDiff
+from .learned import Learned
 from .knorm import KNorm
 from .local import Local
 from .paged_h2o import PagedH2O
@@ -25,15 +27,18 @@ from ..errors import UserError, note
 
 REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (
     Full, Local, HeavyHitter, H2O, Sinks, TOVA, Scissorhands, SnapKV, PyramidKV, KNorm, KeyDiff, A2SF, VATP, PagedH2O,
-    RKV)}
+    RKV, ExpectedAttention)}
 # Policies that read the text ahead: `--policy` knows them, only `eval ppl` / `eval sweep ppl` run them, and the
 # registry's conformance kit (which runs every policy causally) does not iterate over them.
 LOOKAHEAD: dict[str, type[Policy]] = {Hindsight.name: Hindsight}
+# Policies fitted to one model (a weights file from `h2o-mini learn-policy`): `--policy` knows them; the registry's
+# kit, which makes every policy for tiny models, does not iterate over them (tests/test_learned.py checks them).
+FITTED: dict[str, type[Policy]] = {Learned.name: Learned}
 
 
 def resolve(spec: "str | Spec") -> Spec:
     """A `--policy` value (`h2o`, `a2sf:gamma=0.9`, `my.py:MyRule`, an installed name) resolved to its class."""
-    return spec if isinstance(spec, Spec) else parse_spec(spec, {**REGISTRY, **LOOKAHEAD})
+    return spec if isinstance(spec, Spec) else parse_spec(spec, {**REGISTRY, **LOOKAHEAD, **FITTED})
 
 
 def make_policy(spec: "str | Spec", budget: str | float | int | None, length: int,
@@ -96,4 +101,4 @@ def takes_recent_names() -> list[str]:
 __all__ = ["recent_if_taken", "budget_if_taken", "BUDGET_HELP", "describe", "Policy", "REGISTRY", "make_policy",
            "resolve", "Spec", "PluginError", "param", "Full", "Local", "HeavyHitter", "H2O", "Sinks", "TOVA",
            "Scissorhands", "SnapKV", "PyramidKV", "KNorm", "KeyDiff", "A2SF", "VATP", "PagedH2O", "RKV",
-           "Hindsight", "LOOKAHEAD"]
+           "Hindsight", "LOOKAHEAD", "ExpectedAttention", "Learned", "FITTED"]

@@ -2,7 +2,7 @@
 parameter rules of a policy's fields, and the budget rules.
 
 A policy is a frozen dataclass of parameters; all state lives in the cache. The one hook every rule writes is
-`keep_score(score, pos, t, keys=None, values=None)`: higher keeps, +inf protects; the cache evicts the lowest
+`keep_score(score, pos, t, keys=None, values=None)` (a rule with running state also takes `state=`): higher keeps, +inf protects; the cache evicts the lowest
 (ties: the oldest). Every other hook has H2O's behaviour as its default. The class flags, each for one reason:
 
 * `needs_scores`: the rule reads attention, so the cache computes fp32 probabilities and calls `update`
@@ -12,7 +12,7 @@ A policy is a frozen dataclass of parameters; all state lives in the cache. The 
 * `lookahead`: it reads the text ahead (`hindsight`): commands that run a text causally refuse it
   (`refuse_lookahead`), and only the evaluation that has the whole text runs it (`evals/hindsight.py`).
 
-Parameters are the dataclass fields: int, float or bool, checked by their annotations when the policy is
+Parameters are the dataclass fields: int, float, bool or str (a file the rule reads), checked by their annotations when the policy is
 made (an int is >= 0 unless its range says otherwise; a float is finite); `param(default, lo=, hi=)`
 declares a range.
 """
@@ -28,7 +28,7 @@ import torch
 
 from ..errors import UserError
 
-TYPES = (bool, int, float)
+TYPES = (bool, int, float, str)
 
 
 def param(default=MISSING, *, lo: float | None = None, hi: float | None = None):
@@ -77,6 +77,11 @@ class Policy:
         """Slots in layer `layer` for a sequence of `length` tokens: C in every layer, at most `length`."""
         return min(self.capacity or length, length)
 
+    def for_model(self, cfg) -> "Policy":
+        """The policy for the model `cfg` (`config.Config`) that the cache is built for: a rule fitted to one model
+        (`learned`) refuses another here, in one line. Called once, before `for_layer`."""
+        return self
+
     def for_layer(self, layer: int, n_layer: int) -> "Policy":
         """The policy layer `layer` runs (a per-layer rule returns a copy with its own parameters)."""
         return self
@@ -92,6 +97,26 @@ class Policy:
         arriving position, broadcastable to them; keys, values: (B, H, S, hd) as attention reads them. Returns
         (B, H, S): higher keeps, +inf protects. Pure tensor code (it runs inside the compiled step)."""
         raise NotImplementedError
+
+    def state_size(self, head_dim: int) -> int:
+        """How many fp32 numbers the rule keeps per (row, query head) beside the tokens' scores, held by the cache
+        as `state` (B, H, g, n): running statistics of the queries (Expected Attention's mean and covariance).
+        0 (the default): no state, `observe` never runs and `keep_score` gets none."""
+        return 0
+
+    def observe(self, state: torch.Tensor, queries: torch.Tensor, t: torch.Tensor, rope) -> torch.Tensor:
+        """Step 0, once per real token, before it evicts: state (B, H, g, n); queries (B, H, g, hd), this token's
+        query heads grouped by KV head, as attention reads them (after RoPE at t); t: (B, 1, 1) its position;
+        rope: the layer's `model.Rope` (None for a model without RoPE). Returns the new state."""
+        return state
+
+    def observe_many(self, state: torch.Tensor, queries: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
+        """Q tokens in order (a dense prompt, the start of a stream chunk): queries (B, H, g, Q, hd); pos (B, Q),
+        < 0 padding, which is not observed. `observe` once per token unless a rule has a closed form."""
+        for i in range(queries.shape[3]):
+            t = pos[:, i, None, None, None]  # (B, 1, 1, 1)
+            state = torch.where(t >= 0, self.observe(state, queries[:, :, :, i], t[..., 0], rope), state)
+        return state
 
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
         return keys.new_zeros(keys.shape[:-1], dtype=torch.float32)
@@ -125,6 +150,13 @@ class Policy:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def keep_scores(policy, score, pos, t, keys, values, state=None) -> torch.Tensor:
+    """`policy.keep_score`, given the rule's `state` only when it keeps one (a rule without state never sees it)."""
+    if state is None:
+        return policy.keep_score(score, pos, t, keys, values)
+    return policy.keep_score(score, pos, t, keys, values, state=state)
+
+
 def keeps_all_of(policy: Policy, length: int) -> bool:
     """Whether the policy keeps every token of a sequence of `length` (its C, the mean over layers, covers it).
     Such a row is run alone, not batched with others (`Rows`): its slots would widen every row's."""
@@ -149,9 +181,13 @@ def refuse_lookahead(policy: Policy) -> None:
 def check_param(owner: str, f, kind, value):
     """A parameter's value checked against its annotation (int, float or bool) and declared range."""
     if kind not in TYPES:
-        raise UserError(f"{owner}: parameter {f.name} must be annotated int, float or bool (got {kind!r})")
+        raise UserError(f"{owner}: parameter {f.name} must be annotated int, float, bool or str (got {kind!r})")
     lo, hi = f.metadata.get("lo", 0 if kind is int else None), f.metadata.get("hi")
     where = " in [" + ("-inf" if lo is None else f"{lo}") + ", " + ("inf" if hi is None else f"{hi}") + "]"
+    if kind is str:  # a file the rule reads (a learned rule's weights): a name, checked by the rule itself
+        if not isinstance(value, str) or not value or "," in value:
+            raise UserError(f"{owner}: {f.name}={value!r} must be a non-empty text without commas")
+        return value
     if kind is bool:
         if not isinstance(value, bool):
             raise UserError(f"{owner}: {f.name}={value!r} must be true or false")

@@ -16,7 +16,7 @@ import torch
 from ..errors import UserError
 from .base import Policy
 
-HOOKS = ("keep_score", "insert_score", "update", "accumulate", "prompt_score")
+HOOKS = ("keep_score", "insert_score", "update", "accumulate", "prompt_score", "observe", "observe_many")
 
 
 class PolicyFault(UserError):

@@ -125,6 +125,8 @@ def parse_value(owner: str, f, kind, text: str):
         if low not in ("true", "false", "1", "0", "yes", "no"):
             raise UserError(f"{owner}: {f.name}={text!r} must be true or false")
         value = low in ("true", "1", "yes")
+    elif kind is str:
+        value = text
     elif kind is int:
         try:
             value = int(text)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy
+from .base import Policy, keep_scores
 
 
 class Rows:
@@ -49,6 +49,9 @@ class Rows:
         """Slots each row holds in `layer` (its policy's `layer_capacity`), in batch order."""
         return [c for p, n in self.parts for c in [p.layer_capacity(layer, n_layer, length)] * n]
 
+    def for_model(self, cfg) -> "Rows":
+        return Rows([(p.for_model(cfg), n) for p, n in self.parts])
+
     def for_layer(self, layer: int, n_layer: int) -> "Rows":
         return Rows([(p.for_layer(layer, n_layer), n) for p, n in self.parts])
 
@@ -58,9 +61,26 @@ class Rows:
                   else [x] * len(self.parts) for x in tensors]
         return zip(self.policies, zip(*pieces))
 
-    def keep_score(self, score, pos, t, keys=None, values=None) -> torch.Tensor:
-        return torch.cat([policy.keep_score(s, p, tt, k, v)
-                          for policy, (s, p, tt, k, v) in self._split(score, pos, t, keys, values)])
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
+        hd = keys.shape[-1]  # each rule's state is the first `state_size` numbers of the widest
+        return torch.cat([keep_scores(policy, s, p, tt, k, v, None if n == 0 else st[..., :n])
+                          for policy, (s, p, tt, k, v, st) in self._split(score, pos, t, keys, values, state)
+                          for n in [policy.state_size(hd)]])
+
+    def state_size(self, head_dim: int) -> int:
+        return max(p.state_size(head_dim) for p in self.policies)
+
+    def observe(self, state, queries, t, rope) -> torch.Tensor:
+        hd = queries.shape[-1]
+        return torch.cat([torch.cat([policy.observe(st[..., :n], q, tt, rope), st[..., n:]], -1) if n else st
+                          for policy, (st, q, tt) in self._split(state, queries, t)
+                          for n in [policy.state_size(hd)]])
+
+    def observe_many(self, state, queries, pos, rope) -> torch.Tensor:
+        hd = queries.shape[-1]
+        return torch.cat([torch.cat([policy.observe_many(st[..., :n], q, pp, rope), st[..., n:]], -1) if n else st
+                          for policy, (st, q, pp) in self._split(state, queries, pos)
+                          for n in [policy.state_size(hd)]])
 
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
         return torch.cat([policy.insert_score(k) for policy, (k,) in self._split(keys)])

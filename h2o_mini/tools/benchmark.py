@@ -111,6 +111,8 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
         for row, src in zip(cache.layers, one.layers):
             for mine, its in zip(row.tensors(), src.tensors()):
                 mine.copy_(its.expand_as(mine))
+            if row.state is not None:  # a rule's own running state, too
+                row.state.copy_(src.state.expand_as(row.state))
         del one
     else:
         token = decoder.prefill(cache, idx, pos).argmax(-1, keepdim=True)  # (B, 1)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
-from ..model import softcap
+from ..config import Config, layer_inv_freq
+from ..model import Rope, softcap
 from ..policies import Policy
 from ..quant import codec
 
@@ -24,11 +24,16 @@ class NaiveCache:
         """given_kv: per layer, position -> (k, v), the keys and values a fast path computed (`checkkit.record_kv`),
         stored instead of this run's own so that both sides round the same tensors to the same 8/4-bit codes."""
         self.cfg, self.given = cfg, given_kv
+        policy = policy.for_model(cfg)
         self.policies = [policy.for_layer(i, cfg.n_layer) for i in range(cfg.n_layer)]
         self.windows = [cfg.window(i) for i in range(cfg.n_layer)]  # sliding layers: p <= t - W is dead
         self.caps = [min(policy.layer_capacity(i, cfg.n_layer, length), w or length) for i, w in enumerate(self.windows)]
         self.codec = codec(kv_bits, cfg.head_dim, torch.float32)
         self.state = [None] * cfg.n_layer  # per layer: keys, values, positions, the cached mask and the scores
+        # a rule's running state per query head (`Policy.observe`), and each layer's rotary embedding for it
+        self.own = [torch.zeros(1, cfg.n_kv_head, cfg.group, n) if (n := p.state_size(cfg.head_dim)) else None
+                    for p in self.policies]
+        self.ropes = [None if (f := layer_inv_freq(cfg, i)) is None else Rope(f) for i in range(cfg.n_layer)]
         self.layers = [_Layer(self, i) for i in range(cfg.n_layer)]
 
     def attend(self, layer, q, k, v, pos):
@@ -42,9 +47,13 @@ class NaiveCache:
             st = self.state[layer] = {"K": k[:, :0], "V": v[:, :0], "P": torch.zeros(0, dtype=torch.long),
                                       "cached": torch.zeros(H, 0, dtype=torch.bool), "score": torch.zeros(H, 0)}
         cached, score = st["cached"].clone(), st["score"]  # (H, n) each: per KV head, which tokens are cached
+        if self.own[layer] is not None:  # 0. observe: the rule's own state sees this token's queries
+            self.own[layer] = policy.observe(self.own[layer], q[0, :, 0].reshape(1, H, g, -1),
+                                             torch.tensor(t).view(1, 1, 1), self.ropes[layer])
         if int(cached[0].sum()) == self.caps[layer]:  # 1. evict exactly one (every head holds the same count)
             seen = st["P"].expand_as(cached).masked_fill(~cached, -1)[None]  # (1, H, n): not cached is < 0
-            keep = policy.keep_score(score[None], seen, torch.tensor(t), st["K"][None], st["V"][None])[0]
+            keep = policy.keep_score(score[None], seen, torch.tensor(t), st["K"][None], st["V"][None],
+                                     **self._own(layer))[0]
             if W:  # a dead token goes before any live one, the oldest first
                 keep = keep.masked_fill(st["P"] <= t - W, -torch.inf)
             keep = keep.masked_fill(~cached, torch.inf)
@@ -65,6 +74,9 @@ class NaiveCache:
                 score[h] = policy.update(score[h][None, None], p.sum(0)[None, None], seen[h][None, None])[0, 0]
         st["cached"], st["score"] = cached, score
         return out
+
+    def _own(self, layer) -> dict:  # keep_score's `state`, for a rule that keeps one
+        return {} if self.own[layer] is None else {"state": self.own[layer]}
 
     def _store(self, layer, k, v, pos):
         if self.given is not None:
@@ -94,8 +106,12 @@ class NaiveCache:
                     score[h] = policy.update(score[h][None, None], p[:, i].sum(0)[None, None],
                                              causal[i][None, None])[0, 0]
         score = policy.prompt_score(score[None])[0]
+        for i in range(T if self.own[layer] is not None else 0):  # the rule's own state sees every query, in order
+            self.own[layer] = policy.observe(self.own[layer], q[0, :, i].reshape(1, H, g, -1),
+                                             torch.tensor(i).view(1, 1, 1), self.ropes[layer])
         P = torch.arange(T)
-        keep = policy.keep_score(score[None], P.expand(H, T)[None], torch.tensor(T - 1), k[None], v[None])[0]
+        keep = policy.keep_score(score[None], P.expand(H, T)[None], torch.tensor(T - 1), k[None], v[None],
+                                 **self._own(layer))[0]
         if W:  # chosen among the tokens still inside the last position's window
             keep = keep.masked_fill(P <= T - 1 - W, -torch.inf)
         cached = torch.zeros(H, T, dtype=torch.bool)

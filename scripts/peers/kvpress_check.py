@@ -41,6 +41,8 @@ MATCH = {
     "observed_attention": ("heavy_hitter", lambda n: {"heavy": n}),
     "keydiff": ("keydiff", lambda n: {"keep": n}),
     "pyramidkv": ("pyramidkv", lambda n: {"heavy": n - WINDOW, "window": WINDOW, "kernel": KERNEL}),
+    # the paper's prompt settings (kvpress's defaults): 512 positions ahead, 4 sinks, no recent window
+    "expected_attention": ("expected_attention", lambda n: {"keep": n, "future": 512, "sink": 4, "recent": 0}),
 }
 
 

@@ -7,13 +7,14 @@ import json
 import sys
 
 import torch
-from kvpress import (KeyDiffPress, KnormPress, ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress,
+from kvpress import (ExpectedAttentionPress, KeyDiffPress, KnormPress, ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress,
                      TOVAPress)
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
 PRESSES = {"streaming_llm": StreamingLLMPress, "knorm": KnormPress, "snapkv": SnapKVPress, "tova": TOVAPress,
-           "observed_attention": ObservedAttentionPress, "keydiff": KeyDiffPress, "pyramidkv": PyramidKVPress}
+           "observed_attention": ObservedAttentionPress, "keydiff": KeyDiffPress, "pyramidkv": PyramidKVPress,
+           "expected_attention": ExpectedAttentionPress}
 RATIOS = (0.5, 0.8)
 
 

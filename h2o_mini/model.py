@@ -67,11 +67,15 @@ class Rope:
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq  # (rotary_dim / 2,) fp32
 
+    def cos_sin(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (..., rotary_dim) of the angles at `pos` (...), computed in fp32, as `apply_rope` takes them."""
+        angles = pos[..., None].float() * self.inv_freq.to(pos.device)  # (..., rotary_dim / 2)
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (..., hd) rotated as a token at `pos` (broadcastable to x.shape[:-1]; a negative pos undoes it)."""
-        angles = pos[..., None].float() * self.inv_freq.to(x.device)  # (..., rotary_dim / 2)
-        emb = torch.cat((angles, angles), -1)
-        return apply_rope(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+        return apply_rope(x, *self.cos_sin(pos, x.dtype))
 
     def average(self, x: torch.Tensor, first: torch.Tensor, n: int) -> torch.Tensor:
         """x: (..., hd) times the mean of the rotations to positions first .. first + n - 1 (first broadcastable to
@@ -230,9 +234,7 @@ class Transformer(nn.Module):
     def _rope(pos: torch.Tensor, inv_freq: torch.Tensor | None, dtype):
         if inv_freq is None:
             return None
-        freqs = pos.clamp(min=0)[..., None].float() * inv_freq  # (B, T, rotary_dim / 2), fp32
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, rotary_dim)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return Rope(inv_freq).cos_sin(pos.clamp(min=0)[:, None], dtype)  # each (B, 1, T, rotary_dim)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_f is not None:

@@ -127,12 +127,17 @@ def test_expected_attention_statistics_are_the_queries_mean_and_covariance():
     rope = Rope(1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 3, 9, 8, generator=gen)  # (B, H, g, T, d), after RoPE at positions 0..8
-    state = ea.observe_many(torch.zeros(1, 2, 3, ea.state_size(8)), q, torch.arange(9)[None], rope)
-    count, mean, _, cov, _ = ea._unpack(state)
+    empty, pos = torch.zeros(1, 2, 3, ea.state_size(8)), torch.arange(9)[None]
     pre = rope.rotate(q, -torch.arange(9).view(1, 1, 1, 9))[:, :, :, 2:]  # the counted queries, RoPE undone
     want_mean = pre.mean(3)
     centred = pre - want_mean[:, :, :, None]
     want_cov = centred.transpose(-1, -2) @ centred / 7
-    assert torch.equal(count, torch.full_like(count, 7.0))
-    torch.testing.assert_close(mean, want_mean, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cov, want_cov, atol=1e-5, rtol=1e-5)
+    one_by_one = Policy.observe_many(ea, empty, q, pos, rope)  # `observe` per token (Welford)
+    in_two_blocks = ea.observe_many(ea.observe_many(empty, q[:, :, :, :4], pos[:, :4], rope), q[:, :, :, 4:],
+                                    pos[:, 4:], rope)  # the closed form, merged (Chan et al.)
+    for state in (one_by_one, in_two_blocks):
+        count, mean, ahead, cov, _ = ea._unpack(state, 8)
+        assert torch.equal(count, torch.full_like(count, 7.0))
+        torch.testing.assert_close(mean, want_mean, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cov, want_cov, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(in_two_blocks, one_by_one, atol=1e-5, rtol=1e-5)

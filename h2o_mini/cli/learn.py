@@ -39,8 +39,6 @@ def learn_policy(model, dtype, device, text_path, tokens, budget, samples, seed,
     text = read_text(text_path)
     lm = api.load(model, dtype, device)
     ids = api.scored_ids(lm, text, tokens)
-    if round(budget * tokens) + 1 >= tokens - 1:
-        raise click.UsageError("--budget leaves no position where the cache is full: lower it or raise --tokens")
     weights, report = fit(lm.model, ids, budget, samples, seed)
     save_rule(out, weights, report, lm.folder.name, lm.model.cfg, Path(text_path).name, tokens, budget)
     if as_json:

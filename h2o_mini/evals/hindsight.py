@@ -30,13 +30,13 @@ from ..policies import Policy
 BLOCK_VALUES = 2**22  # fp32 probabilities per query block (16 MiB)
 
 
-def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """(Q, K) bool: causal, and inside a sliding layer's window."""
     ok = k_pos[None, :] <= q_pos[:, None]
     return ok if window is None else ok & (q_pos[:, None] - k_pos[None, :] < window)
 
 
-def _logits(q: torch.Tensor, k: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
+def attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
     """q: (n_head, Q, hd), k: (H, K, hd) -> fp32 attention logits (H, g, Q, K), scaled and soft-capped (Gemma 2)."""
     H, g = k.shape[0], q.shape[0] // k.shape[0]
     logits = (q.reshape(H, g * q.shape[1], -1) @ k.transpose(-1, -2)).float() * scale
@@ -65,8 +65,8 @@ class _Chooser:
         block = max(1, BLOCK_VALUES // (q.shape[0] * T))
         j = torch.arange(T, device=k.device)
         for s in range(0, T, block):
-            logits = _logits(q[:, s:s + block], k, self.scale, self.cap)
-            ok = _allowed(j[s:s + block], j, self.window)
+            logits = attention_logits(q[:, s:s + block], k, self.scale, self.cap)
+            ok = allowed(j[s:s + block], j, self.window)
             yield s, logits.masked_fill(~ok, -torch.inf).softmax(-1).sum(1)
 
     @torch.inference_mode()
@@ -112,8 +112,8 @@ class _Masked:
         self.k[:, s:e], self.v[:, s:e] = k[0], v[0]
         self.n = e
         j = torch.arange(e, device=q.device)
-        ok = _allowed(j[s:], j, self.window)[None] & (j[s:, None] < self.leave[:, None, :e])  # (H, Q, e)
-        logits = _logits(q[0], self.k[:, :e], self.scale, self.cap)  # (H, g, Q, e)
+        ok = allowed(j[s:], j, self.window)[None] & (j[s:, None] < self.leave[:, None, :e])  # (H, Q, e)
+        logits = attention_logits(q[0], self.k[:, :e], self.scale, self.cap)  # (H, g, Q, e)
         probs = logits.masked_fill(~ok[:, None], -torch.inf).softmax(-1)
         out = probs.to(v.dtype).flatten(1, 2) @ self.v[:, :e]  # (H, g * Q, hd)
         return out.view(1, q.shape[1], q.shape[2], -1)

@@ -10,8 +10,9 @@ scores it) gives both sides of the fit at a sample of positions t:
 * what hindsight ranks by: the attention still to come, from queries t onward (log).
 
 The candidates at t are the tokens a cache of C = budget x tokens would be choosing among, outside the recent
-window of C / 2 that the rule keeps: the C / 2 that received most, and the C / 2 with most still to come. Each choice's candidates are centred on their mean, so
-the least-squares fit (ridge 1e-3) learns how to rank within one eviction, not the level of attention at t.
+window of C / 2 that the rule keeps: the C / 2 that received most, and the C / 2 with most still to come. Each
+choice's candidates are centred on their mean, so the least-squares fit (ridge 1e-3) learns how to rank within
+one eviction, not the level of attention at t.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ import json
 import torch
 
 from ..config import layer_inv_freq
-from ..model import Rope, causal_attention, softcap
+from ..errors import UserError
+from ..model import Rope, causal_attention
 from ..policies.expected_attention import ExpectedAttention
 from ..policies.learned import FEATURES, features, model_id
+from .hindsight import allowed, attention_logits
 
 
 class _Recorder:
@@ -44,53 +47,53 @@ class _Recorder:
 
 @torch.inference_mode()
 def fit(model, ids: list[int], budget: float, samples: int = 48, seed: int = 0, ridge: float = 1e-3,
-        sink: int = 4, future: int = 512, progress=None) -> tuple[torch.Tensor, dict]:
+        sink: int = 4, future: int = 512) -> tuple[torch.Tensor, dict]:
     """(weights (n_layer, 8), report) fitted on the text `ids`. report: per feature its weight times its spread
     over the candidates, averaged over layers (how much it moves the ranking), and the fit's R^2 per layer."""
     cfg, T = model.cfg, len(ids)
+    C = max(8, round(budget * T))
+    if T - C - 1 < 1:
+        raise UserError(f"--budget {budget} of {T} tokens leaves no position where the cache is full: lower it or "
+                        "raise --tokens")
     recorder = _Recorder(cfg)
     model.hidden(torch.tensor([ids]), torch.arange(T)[None], recorder)
-    C = max(8, round(budget * T))
     gen = torch.Generator().manual_seed(seed)
     times = (torch.randperm(T - C - 1, generator=gen)[:samples] + C + 1).sort().values.tolist()
     ea = ExpectedAttention(keep=C, future=future, sink=sink, vnorm=False)
-    weights, spread, r2 = [], [], []
+    weights, spread, r2, rows = [], [], [], 0
     for layer, (q, k, v) in enumerate(recorder.kept):
         X, y = _samples(cfg, layer, q[0].float(), k[0].float(), v[0].float(), times, C, ea)
+        rows += X.shape[0]
         A = X.T @ X + ridge * X.shape[0] * torch.eye(X.shape[1], dtype=X.dtype)
         w = torch.linalg.solve(A, X.T @ y)
         resid = y - X @ w
         weights.append(w.float())
         spread.append((w * X.std(0)).float())
         r2.append(float(1 - resid.var() / y.var().clamp(min=1e-12)))
-        if progress:
-            progress(layer)
     weights = torch.stack(weights)
     report = {"importance": dict(zip(FEATURES, torch.stack(spread).mean(0).tolist())), "r2": r2,
-              "candidates_per_choice": 2.5 * C, "positions": len(times)}
+              "candidates_per_choice": rows / (len(recorder.kept) * cfg.n_kv_head * len(times)),
+              "positions": len(times)}
     return weights, report
 
 
 def _samples(cfg, layer, q, k, v, times, C, ea: ExpectedAttention):
-    """Features and targets (centred per choice) at the positions `times` of one layer, float64."""
+    """Features and targets (centred per choice) at the positions `times` (in order) of one layer, float64."""
     H, T, d = k.shape
     g = q.shape[0] // H
-    window = cfg.window(layer)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    if window:
-        causal &= (torch.arange(T)[:, None] - torch.arange(T)[None, :]) < window
-    logits = softcap((q.view(H, g, T, d) @ k[:, None].transpose(-1, -2)) * cfg.attn_scale, cfg.attn_softcap)
-    attention = logits.masked_fill(~causal, -torch.inf).softmax(-1).sum(1)  # (H, T queries, T tokens)
+    window, j = cfg.window(layer), torch.arange(T)
+    logits = attention_logits(q, k, cfg.attn_scale, cfg.attn_softcap)  # (H, g, T, T), as hindsight reads them
+    attention = logits.masked_fill(~allowed(j, j, window), -torch.inf).softmax(-1).sum(1)  # (H, queries, tokens)
     received = attention.cumsum(1) - attention  # [h, t, j]: from queries before t
     ahead = attention.flip(1).cumsum(1).flip(1)  # [h, t, j]: from queries t onward
     inv = layer_inv_freq(cfg, layer)
     rope = None if inv is None else Rope(inv)
-    pos = torch.arange(T)
-    pre = q if rope is None else rope.rotate(q, -pos[None, :])  # (n_head, T, d): RoPE undone
+    queries = q.view(H, g, T, d)[None]  # (1, H, g, T, d)
+    state, seen = torch.zeros(1, H, g, ea.state_size(d)), 0
     Xs, ys = [], []
-    for t in times:
-        counted = pre[:, ea.sink:t + 1]  # the queries Expected Attention has seen at t
-        state = _state(ea, counted.view(H, g, -1, d), torch.tensor(t).view(1, 1, 1), rope)
+    for t in times:  # Expected Attention's state after query t, as the cache's would be
+        state = ea.observe_many(state, queries[:, :, :, seen:t + 1], j[None, seen:t + 1], rope)
+        seen = t + 1
         for h in range(H):
             cand = _candidates(received[h, t, :t], ahead[h, t, :t], C, t, ea.sink, window)  # (n,) token indices
             kk, vv = k[h, cand][None, None], v[h, cand][None, None]  # (1, 1, n, d)
@@ -102,17 +105,6 @@ def _samples(cfg, layer, q, k, v, times, C, ea: ExpectedAttention):
             Xs.append(f - f.mean(0))
             ys.append(target - target.mean())
     return torch.cat(Xs), torch.cat(ys)
-
-
-def _state(ea: ExpectedAttention, counted, t, rope) -> torch.Tensor:
-    """Expected Attention's state (1, H, g, n) after `counted` (H, g, N, d) queries (RoPE undone), at position t."""
-    mean = counted.mean(2)  # (H, g, d)
-    centred = counted - mean[:, :, None]
-    cov = centred.transpose(-1, -2) @ centred / counted.shape[2]  # (H, g, d, d)
-    count = torch.full((*mean.shape[:2], 1), float(counted.shape[2]))
-    parts = [count, mean, ea._ahead(mean[None], t, rope, vector=True)[0], cov.flatten(-2),
-             ea._ahead(cov[None], t, rope, vector=False)[0].flatten(-2)]
-    return torch.cat(parts, -1)[None]
 
 
 def _candidates(received, ahead, C, t, sink, window) -> torch.Tensor:

@@ -2,8 +2,8 @@
 parameter rules of a policy's fields, and the budget rules.
 
 A policy is a frozen dataclass of parameters; all state lives in the cache. The one hook every rule writes is
-`keep_score(score, pos, t, keys=None, values=None)` (a rule with running state also takes `state=`): higher keeps, +inf protects; the cache evicts the lowest
-(ties: the oldest). Every other hook has H2O's behaviour as its default. The class flags, each for one reason:
+`keep_score(score, pos, t, keys=None, values=None)` (a rule with running state also takes `state=`): higher
+keeps, +inf protects; the cache evicts the lowest (ties: the oldest). Every other hook has H2O's behaviour as its default. The class flags, each for one reason:
 
 * `needs_scores`: the rule reads attention, so the cache computes fp32 probabilities and calls `update`
   (a rule that reads none keeps SDPA's fused attention and never pays for them).
@@ -12,9 +12,9 @@ A policy is a frozen dataclass of parameters; all state lives in the cache. The 
 * `lookahead`: it reads the text ahead (`hindsight`): commands that run a text causally refuse it
   (`refuse_lookahead`), and only the evaluation that has the whole text runs it (`evals/hindsight.py`).
 
-Parameters are the dataclass fields: int, float, bool or str (a file the rule reads), checked by their annotations when the policy is
-made (an int is >= 0 unless its range says otherwise; a float is finite); `param(default, lo=, hi=)`
-declares a range.
+Parameters are the dataclass fields: int, float, bool or str (a file the rule reads), checked by their
+annotations when the policy is made (an int is >= 0 unless its range says otherwise; a float is finite);
+`param(default, lo=, hi=)` declares a range.
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def refuse_lookahead(policy: Policy) -> None:
 
 
 def check_param(owner: str, f, kind, value):
-    """A parameter's value checked against its annotation (int, float or bool) and declared range."""
+    """A parameter's value checked against its annotation (int, float, bool or str) and declared range."""
     if kind not in TYPES:
         raise UserError(f"{owner}: parameter {f.name} must be annotated int, float, bool or str (got {kind!r})")
     lo, hi = f.metadata.get("lo", 0 if kind is int else None), f.metadata.get("hi")

@@ -51,10 +51,9 @@ class ExpectedAttention(Policy):
     def state_size(self, head_dim: int) -> int:
         return 1 + 2 * head_dim + 2 * head_dim * head_dim * self.covariance  # n; m, S; A m, A S A^T
 
-    def _unpack(self, state: torch.Tensor):
-        """state (B, H, g, n) -> count (B, H, g, 1), m and A m (B, H, g, d), S and A S A^T (B, H, g, d, d) or None."""
-        n = state.shape[-1] - 1  # 2d + 2d^2, or 2d without the covariance
-        d = round(((1 + 2 * n) ** 0.5 - 1) / 2) if self.covariance else n // 2
+    def _unpack(self, state: torch.Tensor, d: int):
+        """state (B, H, g, n) for head_dim d -> count (B, H, g, 1), m and A m (B, H, g, d), S and A S A^T
+        (B, H, g, d, d) or None."""
         count, rest = state[..., :1], state[..., 1:]
         mean, ahead = rest[..., :d], rest[..., d:2 * d]
         if not self.covariance:
@@ -64,7 +63,7 @@ class ExpectedAttention(Policy):
         return count, mean, ahead, cov, cov_ahead
 
     def observe(self, state, queries, t, rope) -> torch.Tensor:
-        count, mean, _, cov, _ = self._unpack(state)
+        count, mean, _, cov, _ = self._unpack(state, queries.shape[-1])
         q = queries.float()  # (B, H, g, d)
         if rope is not None:  # undo the rotation to t: the query as the model projected it
             q = rope.rotate(q, -t)  # t (B, 1, 1) against (B, H, g)
@@ -73,9 +72,37 @@ class ExpectedAttention(Policy):
         rate = counts / count.clamp(min=1)  # Welford: 1 / n for the n-th query counted, else 0
         delta = q - mean
         mean = mean + rate * delta
-        parts = [count, mean, self._ahead(mean, t, rope, vector=True)]
         if cov is not None:
             cov = (1 - rate)[..., None] * (cov + rate[..., None] * delta[..., :, None] * delta[..., None, :])
+        return self._pack(count, mean, cov, t, rope)
+
+    def observe_many(self, state, queries, pos, rope) -> torch.Tensor:
+        """`observe` for Q tokens at once: the block's own mean and covariance merged into the running ones (the
+        pairwise update of Chan, Golub and LeVeque, 1979), A taken after each row's last real token."""
+        count, mean, _, cov, _ = self._unpack(state, queries.shape[-1])
+        p = pos[:, None, None, :]  # (B, 1, 1, Q)
+        q = queries.float()  # (B, H, g, Q, d)
+        if rope is not None:
+            q = rope.rotate(q, -p)
+        w = (p >= self.sink).float()[..., None]  # (B, 1, 1, Q, 1): counted (padding, pos < 0, is not)
+        n_block = w.sum(-2)  # (B, 1, 1, 1)
+        mean_block = (w * q).sum(-2) / n_block.clamp(min=1)  # (B, H, g, d)
+        count = count + n_block
+        share = n_block / count.clamp(min=1)  # the block's share of every query counted
+        delta = mean_block - mean
+        mean = mean + share * delta
+        if cov is not None:
+            centred = q - mean_block[..., None, :]  # (B, H, g, Q, d)
+            cov_block = (w * centred).transpose(-1, -2) @ centred / n_block[..., None].clamp(min=1)
+            cov = ((1 - share)[..., None] * cov + share[..., None] * cov_block
+                   + (share * (1 - share))[..., None] * delta[..., :, None] * delta[..., None, :])
+        last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last token
+        return torch.where(last[..., None] >= 0, self._pack(count, mean, cov, last, rope), state)
+
+    def _pack(self, count, mean, cov, t, rope) -> torch.Tensor:
+        """The state after the token at t: the statistics, and A m, A S A^T for the positions after t."""
+        parts = [count, mean, self._ahead(mean, t, rope, vector=True)]
+        if cov is not None:
             parts += [cov.flatten(-2), self._ahead(cov, t, rope, vector=False).flatten(-2)]
         return torch.cat(parts, -1)
 
@@ -97,7 +124,7 @@ class ExpectedAttention(Policy):
         if state is None:  # no query yet (a policy's own checks): every token expected alike
             logits = keys.new_zeros(B, H, 1, S, dtype=torch.float32)
         else:
-            _, _, ahead, _, cov_ahead = self._unpack(state)
+            _, _, ahead, _, cov_ahead = self._unpack(state, d)
             k = keys.float()
             logits = ahead @ k.transpose(-1, -2) / d ** 0.5  # (B, H, g, S): E[q] . k / sqrt(d)
             if cov_ahead is not None:  # + k^T Cov[q] k / 2d

@@ -9,18 +9,19 @@ function of eight features of a cached token j at the arriving position t:
 a_j the attention j has received so far (H2O's sum, the cache's score), age = t - p_j, e_j Expected Attention's
 prediction of the share the next queries will give j (`expected_attention.py`: a Gaussian fitted to the queries
 so far), and q_t . k_j the arriving token's own logit to j (averaged over the group's query heads). The first
-`sink` tokens and the `recent` newest are kept. `h2o-mini learn-policy` fits the weights (least squares on the log of the attention still
-to come, each eviction's candidates centred on their mean, so only the ranking within one choice is fitted) from
-a full pass over one text, and writes them with the model they belong to; `--policy learned:weights=FILE` runs
-them, and refuses a file made for another model. The features come from the full pass when fitting and from the
+`sink` tokens and the `recent` newest are kept. `h2o-mini learn-policy` fits the weights (least squares on the
+log of the attention still to come, each eviction's candidates centred on their mean, so only the ranking within
+one choice is fitted) from a full pass over one text, and writes them with the model they belong to; `--policy
+learned:weights=FILE` runs them, and refuses a file made for another model. The features come from the full pass when fitting and from the
 evicting cache when running: the scores a token received under eviction are not those it received with every
 token present, one reason a fitted rule can miss on a text it was fitted to.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -90,7 +91,9 @@ class Learned(Policy):
         return self
 
     def for_layer(self, layer: int, n_layer: int) -> "Learned":
-        return replace(self, layer=layer)  # a field: layers' policies differ, so no batch merges their rows
+        bound = copy.copy(self)  # with the weights already read: the file is read once, not once per layer
+        object.__setattr__(bound, "layer", layer)  # a field: layers' policies differ, so no batch merges their rows
+        return bound
 
     def state_size(self, head_dim: int) -> int:  # Expected Attention's statistics, then the arriving query
         return self._expected.state_size(head_dim) + head_dim

@@ -71,15 +71,17 @@ class Rows:
         return max(p.state_size(head_dim) for p in self.policies)
 
     def observe(self, state, queries, t, rope) -> torch.Tensor:
-        hd = queries.shape[-1]
-        return torch.cat([torch.cat([policy.observe(st[..., :n], q, tt, rope), st[..., n:]], -1) if n else st
-                          for policy, (st, q, tt) in self._split(state, queries, t)
-                          for n in [policy.state_size(hd)]])
+        return self._observe("observe", state, queries, t, rope)
 
     def observe_many(self, state, queries, pos, rope) -> torch.Tensor:
+        return self._observe("observe_many", state, queries, pos, rope)
+
+    def _observe(self, hook: str, state, queries, at, rope) -> torch.Tensor:
+        """Each rule's `hook` on its own rows and its first `state_size` numbers (the rest, up to the widest
+        rule's, stay as they are)."""
         hd = queries.shape[-1]
-        return torch.cat([torch.cat([policy.observe_many(st[..., :n], q, pp, rope), st[..., n:]], -1) if n else st
-                          for policy, (st, q, pp) in self._split(state, queries, pos)
+        return torch.cat([torch.cat([getattr(policy, hook)(st[..., :n], q, a, rope), st[..., n:]], -1) if n else st
+                          for policy, (st, q, a) in self._split(state, queries, at)
                           for n in [policy.state_size(hd)]])
 
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:

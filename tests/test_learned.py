@@ -94,6 +94,9 @@ def test_learn_policy_then_run_it_from_the_command_line(byte_folder, tmp_path):
     assert "fitted to another model" in r.stderr
     r = run("learn-policy", "--model", folder, "--text", GPL3, "--tokens", 160, "--out", tmp_path / "rule.pt")
     assert r.returncode != 0 and "Traceback" not in r.stderr and ".safetensors" in r.stderr
+    listed = run("policies")  # listed with the way to get its weights (it has no example without a file)
+    assert listed.returncode == 0 and "learned (built-in)" in listed.stdout
+    assert "learned:weights=FILE" in listed.stdout.split("learned (built-in)")[1]
 
 
 def test_an_observing_hook_that_breaks_the_protocol_is_named():

@@ -18,7 +18,7 @@ from ..files import read_prompts, read_text
 from ..generate import Sampling
 from ..tools.plot import kept_matrices, save_kept_plot
 from ..tools.benchmark import DEFAULT_TEXT
-from ..policies import BUDGET_HELP, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
+from ..policies import BUDGET_HELP, FITTED, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from ..policies.plugins import PluginError, installed
 from ..weights.prepared import MODELS
 from .bench import bench
@@ -62,7 +62,7 @@ def policies():
     """List the eviction policies, built in and installed (entry-point group h2o_mini.policies): where each
     comes from, the rule it applies, its parameters, and what --budget 64 (and --recent, where it applies)
     makes of them. A policy in a file is used as --policy path/to/file.py:ClassName."""
-    for name in [*REGISTRY, *LOOKAHEAD, *installed()]:
+    for name in [*REGISTRY, *LOOKAHEAD, *FITTED, *installed()]:
         try:
             spec = resolve(name)
         except PluginError as e:  # one broken plugin does not hide the others
@@ -70,7 +70,10 @@ def policies():
             continue
         cls = spec.cls
         rule = textwrap.fill(describe(cls), 100, initial_indent="  ", subsequent_indent="  ")
-        example = "takes no --budget" if not cls.takes_budget else f"--budget 64 -> {api.as_policy(name, '64', 64)}"
+        if name in FITTED:  # its weights come from a file fitted to one model, so there is no example to make
+            example = f"--policy {name}:weights=FILE --budget 64, FILE from h2o-mini learn-policy"
+        else:
+            example = "takes no --budget" if not cls.takes_budget else f"--budget 64 -> {api.as_policy(name, '64', 64)}"
         click.echo(f"{name} ({spec.origin})\n{rule}\n  {example}{'; --recent splits C' if cls.takes_recent else ''}\n")
 
 

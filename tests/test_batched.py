@@ -150,3 +150,46 @@ def test_the_default_batch_is_what_fits_in_memory(tiny_model, monkeypatch):
     for i, r in narrow.items():
         assert r["batch"] == 2 and r["memory"] == {"row_bytes": need, "free_bytes": 5 * need, "max_batch": 2}
         assert abs(r["nll"] - wide[i]["nll"]) <= 1e-5
+
+
+class Counted(H2O):
+    """h2o that also protects every 3rd position, counted from the number of queries it has observed: a padded
+    query observed moves what it protects (of the 17 here, the 8 read after the first eviction reach `observe`)."""
+    name = "counted"
+
+    def state_size(self, head_dim: int) -> int:
+        return 1
+
+    def observe(self, state, queries, t, rope):
+        return state + 1
+
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
+        seen = 0 if state is None else state.mean(2).long()  # (B, H, 1) queries observed (none: the kit's probes)
+        return super().keep_score(score, pos, t, keys, values) + 100.0 * ((pos - seen) % 3 == 0)
+
+
+@pytest.mark.parametrize("prefill", ["stream", "dense"])
+def test_rows_with_a_rule_s_state_beside_padding_equal_each_prompt_alone(tiny_model, prefill):
+    """Left-padded rows of several policies, rules that keep a running state (updated in place by `Rows`) on the
+    padded rows beside a rule that keeps none: every row's logits equal the naive reference of
+    its own policy and prompt (1e-4, test_eviction_parity's tolerance), so padding reaches no rule's state and
+    one rule's state no other row."""
+    from dataclasses import asdict
+
+    from h2o_mini.generate import left_pad
+    from .reference import reference_logits
+    model = tiny_model("llama_gqa_tied")
+    texts = [text_bytes(40, 100), text_bytes(23, 700), text_bytes(31, 1500)]  # padded by 0, 17 and 9 tokens
+    policies = [make_policy("h2o", 9, 40), Counted(**asdict(make_policy("h2o", 9, 40))),
+                make_policy("expected_attention", 12, 40)]
+    prompts, follow = [t[:-8] for t in texts], [t[-8:] for t in texts]
+    idx, pos = left_pad(prompts)
+    cache = KVCache(model.cfg, Rows([(p, 1) for p in policies]), len(texts), 40, prefill=prefill)
+    plan = [(0, idx.shape[1])] if prefill == "dense" else [(s, s + 9) for s in range(0, idx.shape[1], 9)]
+    with torch.inference_mode():
+        prompt_logits = torch.cat([model(idx[:, s:e], pos[:, s:e], cache) for s, e in plan], 1)
+        steps = [model(torch.tensor([[f[i]] for f in follow]), pos[:, -1:] + 1 + i, cache) for i in range(8)]
+    for row, (p, text, policy) in enumerate(zip(prompts, texts, policies)):
+        want = reference_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
+        got = torch.cat([prompt_logits[row, -len(p):]] + [s[row] for s in steps])
+        assert (got - want).abs().max() <= 1e-4, f"row {row}"

@@ -35,6 +35,8 @@ class Rows:
         self.name = "+".join(dict.fromkeys(p.name for p in policies))
         for flag in ("needs_scores", "lookahead"):
             setattr(self, flag, any(getattr(p, flag) for p in policies))
+        # the rules whose `update` is H2O's sum (most of them): one addition for all their rows at every token
+        self._summed = [p.needs_scores and type(p).update is Policy.update for p in policies]
 
     def __repr__(self) -> str:
         return f"Rows({', '.join(f'{p} x{n}' for p, n in self.parts)})"
@@ -78,18 +80,29 @@ class Rows:
 
     def _observe(self, hook: str, state, queries, at, rope) -> torch.Tensor:
         """Each rule's `hook` on its own rows and its first `state_size` numbers (the rest, up to the widest
-        rule's, stay as they are)."""
+        rule's, stay as they are). In place: the state is as wide as the widest rule's for every row, so a new
+        tensor would copy every row's (Expected Attention's 8k numbers per query head, for every h2o row beside
+        it) at every token. Padding (`at` < 0 for `observe`) is left as it was, as every caller of `observe` leaves
+        it; `observe_many` leaves it itself (docs/spec.md)."""
         hd = queries.shape[-1]
-        return torch.cat([torch.cat([getattr(policy, hook)(st[..., :n], q, a, rope), st[..., n:]], -1) if n else st
-                          for policy, (st, q, a) in self._split(state, queries, at)
-                          for n in [policy.state_size(hd)]])
+        for policy, (st, q, a) in self._split(state, queries, at):
+            n = policy.state_size(hd)
+            if n:
+                new = getattr(policy, hook)(st[..., :n], q, a, rope)
+                st[..., :n].copy_(torch.where(a[..., None] >= 0, new, st[..., :n]) if hook == "observe" else new)
+        return state
 
     def insert_score(self, keys: torch.Tensor) -> torch.Tensor:
         return torch.cat([policy.insert_score(k) for policy, (k,) in self._split(keys)])
 
     def update(self, score, p, attended) -> torch.Tensor:
-        return torch.cat([policy.update(s, pp, a) if policy.needs_scores else s
-                          for policy, (s, pp, a) in self._split(score, p, attended)])
+        new = score + p  # (B, H, S): H2O's sum in every row, then each other rule's own rows written over it
+        at = 0
+        for (policy, (s, pp, a)), summed, n in zip(self._split(score, p, attended), self._summed, self.sizes):
+            if not summed:
+                new[at:at + n] = policy.update(s, pp, a) if policy.needs_scores else s
+            at += n
+        return new
 
     def accumulate(self, score, probs, attended) -> torch.Tensor:
         return torch.cat([policy.accumulate(s, p, a) if policy.needs_scores else s

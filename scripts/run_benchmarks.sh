@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces every number in docs/benchmarks.md (CPU, fp32, the default model). About 30 minutes on 2 cores.
+# Reproduces every number in docs/benchmarks.md (CPU, fp32, the default model). About an hour and a quarter on 2 cores.
 # Each target's ratio comes from configurations measured side by side in one process (`--repeat` interleaves
 # them and reports medians: the machine is shared and noisy).
 set -euo pipefail
@@ -30,3 +30,10 @@ for p in full h2o; do
 done > "$out/t5_eval_4096.jsonl"
 # The picture in the README: which tokens local, heavy_hitter and h2o keep (layer 15, KV head 0).
 h2o-mini plot kept --policy local --policy heavy_hitter --policy h2o --budget 64 --tokens 256 --layer 15 --out "$out/kept.png"
+# Issue 36: where a sweep's time goes, every registered evicting policy at 0.1 and 0.2 (with expected_attention),
+# then the 14 of the issue (without it). About 12 minutes.
+python scripts/sweep_cost.py --json > "$out/sweep_cost.jsonl"
+# shellcheck disable=SC2046
+python scripts/sweep_cost.py --json $(python -c "from h2o_mini.policies import REGISTRY
+print(' '.join('--policy ' + n for n, c in REGISTRY.items() if c.takes_budget and n != 'expected_attention'))") \
+  >> "$out/sweep_cost.jsonl"

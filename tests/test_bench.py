@@ -123,3 +123,20 @@ def test_the_gpu_script_fails_loudly(tmp_path):
     r = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHON": str(tmp_path / "no-such-python")})
     assert r.returncode != 0 and "scripts/gpu/run.sh: failed" in r.stderr
+
+
+def test_the_sweep_cost_split_attributes_every_part(folder):
+    """scripts/sweep_cost.py (docs/benchmarks.md): the parts are timed where they run, nested timers subtracted,
+    so a hook counted twice or a part counted outside its parent shows as a negative part; each rule's hooks are
+    named, and the sweep's numbers are its ordinary ones."""
+    script = Path(__file__).resolve().parent.parent / "scripts/sweep_cost.py"
+    r = subprocess.run([sys.executable, str(script), "--model", str(folder), "--tokens", "48", "--chunk", "16",
+                        "--policy", "h2o", "--policy", "expected_attention", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout)
+    parts = row["parts_s"]
+    assert {"hooks: h2o", "hooks: expected_attention", "forward", "scoring", "loop (less its hooks)"} <= set(parts)
+    assert all(v >= 0 for v in parts.values()), parts
+    assert row["points"] == 4 and abs(sum(parts.values()) - row["sweep_s"]) < 0.1 * len(parts)
+    assert 0 < row["nll_h2o_0.1"] < 20

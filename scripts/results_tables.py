@@ -6,6 +6,7 @@
     python results_tables.py results models       # scripts/run_two_models.sh
     python results_tables.py results hindsight    # scripts/run_hindsight.sh
     python results_tables.py results generate     # scripts/run_generate.sh
+    python results_tables.py results lookahead    # scripts/run_lookahead.sh
 """
 import json
 import sys
@@ -131,33 +132,55 @@ def models():
 def hindsight():
     """Every policy of sections 5 and 8 against h2o, full and hindsight at the same budget, and Gemma 3 270M's
     runs (scripts/run_hindsight.sh)."""
-    from h2o_mini.evals.sweep import share
-    boards = [(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"),
+    for text in ("GPL-3", "GFDL-1.3"):
+        shares(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"),
                (f"leaderboard_{text}.jsonl", f"workbench_{text}.jsonl", f"hindsight_{text}.jsonl"))
-              for text in ("GPL-3", "GFDL-1.3")]
-    boards.append(("Gemma 3 270M, GPL-3, 2048 tokens", ("0.1", "0.2"), ("hindsight_gemma3-270m_GPL-3.jsonl",)))
-    for title, budgets, files in boards:
-        points = {}
-        for name in files:
-            # by spec (a2sf:gamma=0.9 is not a2sf); later files rerun the same rows
-            points.update({(r.get("spec") or r["policy"], r["budget"]): r["ppl"] for r in rows(name)})
-        if ("hindsight", "0.1") not in points:
+    shares("Gemma 3 270M, GPL-3, 2048 tokens", ("0.1", "0.2"), ("hindsight_gemma3-270m_GPL-3.jsonl",))
+
+
+def lookahead():
+    """Section 12 (scripts/run_lookahead.sh): the look-ahead rules against h2o and hindsight on two texts and two
+    models, then their sampled generations beside section 11's rows of the same model."""
+    for tag, label in (("", "SmolLM2-135M"), ("gemma3-270m_", "Gemma 3 270M")):
+        for text in ("GPL-3", "GFDL-1.3"):
+            shares(f"{label}, {text}, 2048 tokens", ("0.05", "0.1", "0.2"), (f"lookahead_{tag}{text}.jsonl",))
+    for model in ("default", "gemma3-270m"):
+        at = {(r.get("spec") or r["policy"], r["budget"]): r for name in (
+            f"generate_sampled_{model}_512.jsonl", f"lookahead_generate_sampled_{model}_512.jsonl") for r in rows(name)}
+        if ("expected_attention", "128") not in at:
             continue
-        full = points[("full", None)]
-        print(f"\n### {title} (full: ppl {full:.2f})\n")
-        head = " | ".join(f"{b}: ppl | of h2o's gap to full | of h2o's gap to hindsight" for b in budgets)
-        print(f"| policy | {head} |")
-        print("|---|" + "---|---|---|" * len(budgets))
-        for policy in dict.fromkeys(p for p, b in points if p != "full"):
-            cells = []
-            for b in budgets:
-                ppl, h2o = points.get((policy, b)), points.get(("h2o", b))
-                if ppl is None:
-                    cells += ["", "", ""]
-                    continue
-                cells += [f"{ppl:.2f}"] + [f"{v:+.0%}" if v is not None else "" for v in (
-                    share(ppl, h2o, full), share(ppl, h2o, points.get(("hindsight", b))))]
-            print(f"| {policy} | " + " | ".join(cells) + " |")
+        print(f"\n### {model}, sampled, N = 512: tokens before divergence / NLL of full's text / KL to full "
+              f"(full: 512 / {at[('full', None)]['nll']:.3f})\n\n| policy | 128 | 256 |\n|---|---|---|")
+        for p in dict.fromkeys(p for p, _ in at if p.split(":")[0] in (
+                "h2o", "a2sf", "vatp", "tova", "expected_attention", "learned")):
+            print(f"| {p.split(':')[0]} | " + " | ".join(f"{r['agree_tokens']:.0f} / {r['nll']:.3f} / {r['kl_full']:.3g}"
+                  if (r := at.get((p, b))) else "" for b in ("128", "256")) + " |")
+
+
+def shares(title, budgets, files):
+    """One table: each policy's perplexity, its share of h2o's gap to full and of hindsight's gain over h2o."""
+    from h2o_mini.evals.sweep import share
+    points = {}
+    for name in files:
+        # by spec (a2sf:gamma=0.9 is not a2sf); later files rerun the same rows
+        points.update({(r.get("spec") or r["policy"], r["budget"]): r["ppl"] for r in rows(name)})
+    if ("hindsight", "0.1") not in points:
+        return
+    full = points[("full", None)]
+    print(f"\n### {title} (full: ppl {full:.2f})\n")
+    head = " | ".join(f"{b}: ppl | of h2o's gap to full | of hindsight's gain over h2o" for b in budgets)
+    print(f"| policy | {head} |")
+    print("|---|" + "---|---|---|" * len(budgets))
+    for policy in sorted(dict.fromkeys(p for p, b in points if p != "full"), key=lambda p: p == "hindsight"):
+        cells = []
+        for b in budgets:
+            ppl, h2o = points.get((policy, b)), points.get(("h2o", b))
+            if ppl is None:
+                cells += ["", "", ""]
+                continue
+            cells += [f"{ppl:.2f}"] + [f"{v:+.0%}" if v is not None else "" for v in (
+                share(ppl, h2o, full), share(ppl, h2o, points.get(("hindsight", b))))]
+        print(f"| {policy.split(':weights=')[0]} | " + " | ".join(cells) + " |")  # learned: not its file's path
 
 
 def generate():
@@ -251,7 +274,7 @@ def consistent(model: str) -> None:
               "prompts that leave full's text within 512 tokens leave it at the same token in both runs")
 
 
-MODES = {"generate": generate, "hindsight": hindsight, "models": models, "leaderboard": leaderboard,
+MODES = {"generate": generate, "hindsight": hindsight, "lookahead": lookahead, "models": models, "leaderboard": leaderboard,
          "workbench": workbench}
 for mode in sys.argv[2:]:  # one of these prints its tables only; without one, the tables of run_results.sh
     MODES[mode]()

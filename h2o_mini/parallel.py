@@ -15,6 +15,7 @@ Each rank reads only its shard of every tensor from the safetensors files (`weig
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -135,13 +136,25 @@ def refuse(command: str) -> None:
         raise UserError(f"'{command}' does not run tensor parallel; under torchrun use generate, eval ppl or bench")
 
 
+def _quiet() -> bool:
+    """A rank other than 0 under torchrun: it prints nothing (`quiet_other_ranks`)."""
+    return launched() and not is_main()
+
+
 def quiet_other_ranks() -> None:
     """Under torchrun only rank 0 prints (results, progress, errors): the others write to /dev/null. A rank
     that fails still exits non-zero, and torchrun reports it."""
-    if launched() and not is_main():
+    if _quiet():
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.dup2(null, 2)
+
+
+def before_failing() -> None:
+    """A quiet rank about to exit on an error waits: torchrun stops every rank as soon as one exits, and rank 0,
+    meeting the same error (a refusal, bad input) at the same point, must have time to print it."""
+    if _quiet():
+        time.sleep(2.0)
 
 
 def leave() -> None:

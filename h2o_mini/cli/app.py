@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import textwrap
-import time
 import traceback
 from pathlib import Path
 
@@ -268,8 +267,5 @@ def _fail(message: str, code: int) -> None:
     except OSError:  # the output is lost; keep Python from a second complaint at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     click.echo(message, err=True)
-    if parallel.launched() and not parallel.is_main():
-        # Only rank 0 prints, and torchrun stops every rank as soon as one exits: a rank that meets an error that
-        # rank 0 meets at the same point (a refusal, bad input) gives it time to say so before the group goes.
-        time.sleep(2.0)
+    parallel.before_failing()
     sys.exit(code)

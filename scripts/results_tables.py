@@ -153,8 +153,9 @@ def lookahead():
               f"(full: 512 / {at[('full', None)]['nll']:.3f})\n\n| policy | 128 | 256 |\n|---|---|---|")
         for p in dict.fromkeys(p for p, _ in at if p.split(":")[0] in (
                 "h2o", "a2sf", "vatp", "tova", "expected_attention", "learned")):
-            print(f"| {p.split(':')[0]} | " + " | ".join(f"{r['agree_tokens']:.0f} / {r['nll']:.3f} / {r['kl_full']:.3g}"
-                  if (r := at.get((p, b))) else "" for b in ("128", "256")) + " |")
+            cells = [f"{r['agree_tokens']:.0f} / {r['nll']:.3f} / {r['kl_full']:.3g}" if (r := at.get((p, b))) else ""
+                     for b in ("128", "256")]
+            print(f"| {p.split(':')[0]} | " + " | ".join(cells) + " |")
 
 
 def shares(title, budgets, files):
@@ -274,8 +275,8 @@ def consistent(model: str) -> None:
               "prompts that leave full's text within 512 tokens leave it at the same token in both runs")
 
 
-MODES = {"generate": generate, "hindsight": hindsight, "lookahead": lookahead, "models": models, "leaderboard": leaderboard,
-         "workbench": workbench}
+MODES = {"generate": generate, "hindsight": hindsight, "lookahead": lookahead, "models": models,
+         "leaderboard": leaderboard, "workbench": workbench}
 for mode in sys.argv[2:]:  # one of these prints its tables only; without one, the tables of run_results.sh
     MODES[mode]()
 if sys.argv[2:]:

@@ -16,7 +16,9 @@ the wall of the command `h2o-mini eval ppl --policy full` (loading the model inc
 is 0.75x of the latter. The sweep's own time here is its batched pass (`score_many`), without the command's
 loading and full's reference pass.
 
-    python scripts/sweep_cost.py [--tokens 2048] [--model M] [--chunk 128] [--policy NAME ...] [--json]
+    python scripts/sweep_cost.py [--tokens 2048] [--model M] [--chunk 128] [--json]
+        [--policy NAME ...]    these only (default: every registered policy that evicts)
+        [--skip NAME ...]      or every one but these
 """
 import argparse
 import json
@@ -37,7 +39,7 @@ spent = defaultdict(float)
 inside = []  # the part a hook runs in ("loop", "setup"), innermost last
 
 
-def timed(key, fn, part=False):
+def timed(key, fn):
     """fn, its time added to spent[key]; a hook (key a function of its arguments) is timed at its outermost call
     only (keep_score may call a parent's) and also added to the part it runs in."""
     def wrapper(*a, **kw):
@@ -62,13 +64,15 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--model", default=None)
     ap.add_argument("--chunk", type=int, default=ppl.CHUNK)
-    ap.add_argument("--policy", action="append", help="(repeatable) these only; default: every registered one that evicts")
+    ap.add_argument("--policy", action="append",
+                    help="(repeatable) these only; default: every registered one that evicts")
+    ap.add_argument("--skip", action="append", default=[], help="(repeatable) leave this registered policy out")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     lm = api.load(args.model)
     ids = api.scored_ids(lm, open(GPL3).read(), args.tokens)
     T = len(ids)
-    names = args.policy or [name for name, cls in REGISTRY.items() if cls.takes_budget]
+    names = args.policy or [name for name, cls in REGISTRY.items() if cls.takes_budget and name not in args.skip]
     points = [(name, b) for name in names for b in ("0.1", "0.2")]
     policies = [make_policy(name, b, T, quiet=True) for name, b in points]
     # what issue 36's target is measured against: the wall of the command `eval ppl --policy full` (load included)
@@ -89,8 +93,7 @@ def main():
         prompt.stream_token = timed("loop", prompt.stream_token)
         prompt._Read.__init__ = timed("setup", prompt._Read.__init__)
         prompt._Read.finish = timed("setup", prompt._Read.finish)
-        stream_many = prompt.stream_many
-        prompt.stream_many = timed("in stream_many", stream_many)
+        prompt.stream_many = timed("in stream_many", prompt.stream_many)
         ppl.tally = timed("scoring", ppl.tally)
         lm.model.head = timed("scoring", lm.model.head)
         t0 = time.perf_counter()
@@ -107,7 +110,8 @@ def main():
            "full_read_s": round(full_s, 2), "full_command_s": round(command_s, 2), "sweep_s": round(wall, 1),
            "sweep_over_full_reads": round(wall / (len(points) * full_s), 3),
            "sweep_over_full_commands": round(wall / (len(points) * command_s), 3),
-           "parts_s": {k: round(v, 1) for k, v in parts.items()}, "nll_h2o_0.1": results[points.index(("h2o", "0.1"))]["nll"]}
+           "parts_s": {k: round(v, 1) for k, v in parts.items()},
+           "nll_h2o_0.1": results[points.index(("h2o", "0.1"))]["nll"] if ("h2o", "0.1") in points else None}
     if args.json:
         print(json.dumps(row))
         return

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,15 +69,30 @@ def check_device(device: str) -> str:
     return device
 
 
+ENGINES = ("h2o-mini", "transformers")
+
+
 def load(model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-         shard: Shard | None = None) -> LM:
+         shard: Shard | None = None, engine: str = "h2o-mini") -> LM:
     """shard: this rank's place under tensor parallelism (`parallel.from_env()` under torchrun): the model then
-    holds only its slice of the heads and the MLP, and so will every cache made for it."""
+    holds only its slice of the heads and the MLP, and so will every cache made for it. engine: what computes the
+    model, h2o-mini's decoder or "transformers" (`transformers_engine.py`: its AutoModelForCausalLM, the same
+    h2o-mini cache inside; needs the `hf` extra)."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     check_device(device)
     folder = resolve_model(model)
-    lm = load_hf(folder, DTYPES[dtype], shard.device(device) if shard else device, shard)
+    if engine == "transformers":
+        if shard is not None:
+            raise UserError("tensor parallel runs h2o-mini's decoder: leave out --engine transformers under torchrun")
+        if importlib.util.find_spec("transformers") is None:
+            raise UserError("--engine transformers needs transformers: pip install 'h2o-mini[hf]'")
+        from .transformers_engine import load_transformers  # the optional extra, imported only here
+        lm = load_transformers(folder, DTYPES[dtype], device)
+    else:
+        lm = load_hf(folder, DTYPES[dtype], shard.device(device) if shard else device, shard)
     tokenizer = Tokenizer(folder)
     if tokenizer.vocab_size > lm.cfg.vocab_size:
         raise UserError(f"{folder}: the tokenizer has {tokenizer.vocab_size} ids but the model only "

@@ -92,6 +92,15 @@ TINY = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
 }
+# Families h2o-mini's decoder does not implement, run only inside transformers (tests/test_transformers_cache.py):
+# OLMo 2 (a q/k norm over all heads' channels, norms after each branch) and StarCoder 2 (LayerNorm, biases, a
+# window of 16 on every layer, wider than the budget of the tests), and BLOOM (ALiBi, attention in its own code: the cache refuses it).
+OUTSIDE = {
+    "olmo2": lambda: _family("Olmo2Config", bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "starcoder2_window": lambda: _family("Starcoder2Config", sliding_window=16, use_bias=True, bos_token_id=1,
+                                         eos_token_id=2),
+    "bloom": lambda: __import__("transformers").BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+}
 # For the (slower) eviction parity tests: OPT, LLaMA with GQA, NeoX, Qwen3 (per-head q/k norm, head_dim
 # not d_model / n_head, one KV head), a hybrid model (window 5 on two layers of three), and Gemma 2 (soft-capped
 # attention logits, the scores' source) and Gemma 3 (hybrid, one KV head, two RoPE bases).
@@ -121,7 +130,7 @@ def build_hf(name: str, folder: Path):
     returns it in eval mode."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)  # transformers initialises first; every value it draws is overwritten below
-    model = AutoModelForCausalLM.from_config(TINY[name](), attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config({**TINY, **OUTSIDE}[name](), attn_implementation="eager").eval()
     seeded_weights_(model, sum(map(ord, name)))
     model.save_pretrained(folder, safe_serialization=True)
     return model

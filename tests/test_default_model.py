@@ -120,3 +120,42 @@ def test_eval_generate_on_the_real_model(lm):
         for mine, theirs in zip(together[j]["per_prompt"], alone["per_prompt"]):
             assert mine["agree_tokens"] == theirs["agree_tokens"] and abs(mine["nll"] - theirs["nll"]) <= 1e-5
         assert together[j]["kv_bytes"] <= together[0]["kv_bytes"] and 0 < together[j]["nll"] < 5
+
+
+def test_inside_transformers_the_default_model_gives_h2o_minis_numbers(lm):
+    """The default model through transformers with the evicting cache: eval ppl's NLL (stream mode, 512 tokens)
+    under h2o and tova equals h2o-mini's decoder's to 1e-5, and `model.generate` its greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from h2o_mini.evals.ppl import score_text
+    from h2o_mini.generate import Decoder
+    from h2o_mini.policies import make_policy
+    from h2o_mini.transformers_cache import evicting_cache
+    from h2o_mini.transformers_engine import load_transformers
+    theirs = load_transformers(lm.folder, torch.float32, "cpu")
+    ids = lm.tokenizer.encode(GPL3.read_text())[:512]
+    for name in ("h2o", "tova"):
+        policy = make_policy(name, 0.1, len(ids))
+        want = score_text(lm.model, ids, policy, progress=False)["nll"]
+        assert abs(score_text(theirs, ids, policy, progress=False)["nll"] - want) <= 1e-5
+    hf = AutoModelForCausalLM.from_pretrained(lm.folder)
+    prompt = lm.tokenizer.encode("The lighthouse keeper opened the door and")
+    policy = make_policy("h2o", 8, len(prompt) + 24)
+    want = torch.stack(list(Decoder(lm.model).generate([prompt], policy, 24)), 1)[0].tolist()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), cache=evicting_cache(hf, policy, length=len(prompt) + 24),
+                          max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert out[0, len(prompt):].tolist() == want
+
+
+def test_the_readmes_transformers_example_runs_as_written(tmp_path):
+    """The README's "Inside transformers" block, run as a script."""
+    import subprocess
+    import sys
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("## Inside transformers", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "inside.py"
+    script.write_text(block)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) >= 10

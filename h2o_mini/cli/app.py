@@ -28,8 +28,8 @@ from .learn import learn_policy
 from .eval import eval_
 from .eval_generate import eval_generate
 from .eval_sweep import sweep
-from .options import (COUNT, check_image, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
-                      model_options, policy_options, sampling_options)
+from .options import (COUNT, check_image, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, engine_option,
+                      kv_bits_option, model_options, policy_options, sampling_options)
 
 NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 
@@ -98,8 +98,9 @@ Examples:
               "(default: when it has one)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda)")
 @kv_bits_option
+@engine_option
 def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent, prefill, max_new_tokens,
-             temperature, top_k, top_p, seed, chat, compile, kv_bits):
+             temperature, top_k, top_p, seed, chat, compile, kv_bits, engine):
     """Generate text after PROMPT (streamed to stdout), under a KV-cache eviction policy. A fractional
     --budget is taken of the longest prompt + --max-new-tokens, the same C for every row of a batch."""
     if prompts_file and prompt is not None:
@@ -111,8 +112,8 @@ def generate(prompt, prompts_file, model, dtype, device, policy, budget, recent,
     else:
         raise UserError("give a PROMPT or --prompts-file")
     sampling = Sampling(temperature, top_k, top_p)
-    lm = api.load(model, dtype, device, parallel.from_env(device))
-    compile = device.startswith("cuda") if compile is None else compile
+    lm = api.load(model, dtype, device, parallel.from_env(device), engine)
+    compile = device.startswith("cuda") and engine == "h2o-mini" if compile is None else compile
     rows, shown = [[] for _ in prompts], ""
     try:
         for rows in api.stream(lm, prompts, policy, budget, recent, max_new_tokens, prefill, sampling, seed, chat,

@@ -13,8 +13,8 @@ from ..errors import note
 from ..files import check_output, read_text, write_atomic
 from ..tools.plot import save_bench_plot
 from ..policies import BUDGET_HELP
-from .options import (COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, check_image, check_installed, kv_bits_option,
-                      model_options)
+from .options import (COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, check_image, check_installed, engine_option,
+                      kv_bits_option, model_options)
 
 
 @click.command(short_help="Speed and memory of policies, side by side in one run.", epilog="""\b
@@ -42,23 +42,26 @@ Examples:
 @click.option("--kv-memory", default=None, help="a KV-cache cap (bytes, or 512MB / 2GiB): each policy runs at the "
               "largest batch whose cache fits")
 @click.option("--max-batch", default=256, show_default=True, type=click.IntRange(1, 4096), help="with --kv-memory")
-@click.option("--vs-hf", is_flag=True, help="also time transformers generate on the same settings (same run)")
+@click.option("--vs-hf", is_flag=True, help="also time transformers generate on the same settings (same run): with "
+              "its own full cache (hf_decode_tok_s) and, for a policy that evicts, with that policy's evicting cache "
+              "inside (hf_evicting_tok_s)")
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(1, 100),
               help="run the configurations interleaved N times; report the median")
 @click.option("--same-prompt", is_flag=True, help="one prompt for every row, prefilled once (long-context runs)")
 @click.option("--compile/--no-compile", default=None, help="compile the decode step (default: on for cuda; on "
               "CPU it does not pay, see docs/benchmarks.md)")
 @kv_bits_option
+@engine_option
 @click.option("--plot", "plot_path", default=None, help="draw decode tok/s, KV bytes and peak memory against "
               "prompt tokens, a line per configuration (.png/.pdf/.svg)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration, as each finishes")
 @click.option("--out", default=None, help="also write every row to this .jsonl file (at the end, or what finished "
               "on Ctrl-C)")
 def bench(model, dtype, device, policies, budgets, recent, batches, prompt_tokens, new_tokens, prefill, text_path,
-          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, plot_path, as_json, out):
+          sweep, kv_memory, max_batch, vs_hf, repeat, same_prompt, compile, kv_bits, engine, plot_path, as_json, out):
     """Prefill time, decode tokens/s, KV-cache bytes and peak memory of policies, side by side; each row is
     printed as its configuration finishes (a progress bar over the decode steps on a terminal)."""
-    compile = device.startswith("cuda") if compile is None else compile
+    compile = device.startswith("cuda") and engine == "h2o-mini" if compile is None else compile
     if sweep:
         policies = policies or ("full", "local", "heavy_hitter", "h2o")
         budgets = budgets or ("0.1", "0.2", "0.5")
@@ -68,9 +71,9 @@ def bench(model, dtype, device, policies, budgets, recent, batches, prompt_token
         check_output(out, (".jsonl",))
     if vs_hf:
         parallel.refuse("bench --vs-hf")  # transformers would load the whole model on every rank
-        check_installed("transformers", "--vs-hf", "dev")
+        check_installed("transformers", "--vs-hf", "hf")
     text = read_text(text_path)
-    lm = api.load(model, dtype, device, parallel.from_env(device))
+    lm = api.load(model, dtype, device, parallel.from_env(device), engine)
     rows, status = [], {}
     try:
         for row in run_bench(lm, policies, budgets, recent, batches or (1,), prompt_tokens or (512,), new_tokens,

@@ -13,8 +13,8 @@ from ..tools.benchmark import DEFAULT_TEXT
 from ..errors import UserError
 from ..files import check_output, read_text, write_atomic
 from ..policies import BUDGET_HELP, recent_if_taken, resolve
-from .options import (COUNT, check_image, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, kv_bits_option,
-                      model_options)
+from .options import (COUNT, check_image, POLICY_HELP, RECENT_HELP, Budget, ListOf, PolicyType, engine_option,
+                      kv_bits_option, model_options)
 
 
 def repeatable_policies(f, one: str | None = None):
@@ -110,16 +110,17 @@ Examples:
 @model_options
 @one_policy("ppl")
 @ppl_options
+@engine_option
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def ppl(model, dtype, device, policies, budgets, recent, kv_bits, text_path, tokens, compare_full, chunk, compile,
-        as_json):
+        engine, as_json):
     """Mean next-token NLL (nats) and perplexity of a text (a file, or - for standard input), every token scored
     in stream mode, under one policy (several: 'eval sweep ppl'). A fractional --budget is taken of --tokens.
     --policy hindsight is the reference that reads the text ahead: what a better choice of as many tokens gives."""
     policy, budget = _one(policies, "--policy", "ppl") or "full", _one(budgets, "--budget", "ppl")
     text = read_text(text_path)
-    lm = api.load(model, dtype, device, parallel.from_env(device))
-    compile = device.startswith("cuda") if compile is None else compile
+    lm = api.load(model, dtype, device, parallel.from_env(device), engine)
+    compile = device.startswith("cuda") and engine == "h2o-mini" if compile is None else compile
     result = perplexity(lm, text, tokens, policy, budget, recent, compare_full, chunk, compile,
                             progress=not as_json, kv_bits=kv_bits)
     if as_json:
@@ -164,9 +165,10 @@ Examples:
 @click.option("--output", default=None, help="also write the JSON object to this .json file")
 @click.option("--log-samples", is_flag=True, help="with --output: also every request and its answer, per task "
               "(lm-eval's samples)")
+@engine_option
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (lm-eval's results and the policy)")
 def tasks(model, dtype, device, policies, budgets, recent, kv_bits, tasks, include_path, num_fewshot, limit,
-          batch_size, prefill, seed, output, log_samples, as_json):
+          batch_size, prefill, seed, output, log_samples, engine, as_json):
     """Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) with h2o-mini under one policy (several: 'eval
     sweep tasks'). A fractional --budget is taken of each request's own length. The shipped task
     gpl_next_sentence works offline."""
@@ -176,7 +178,7 @@ def tasks(model, dtype, device, policies, budgets, recent, kv_bits, tasks, inclu
         check_output(output, (".json",))
     elif log_samples:
         raise UserError("--log-samples writes the samples into --output FILE.json: give one")
-    lm = api.load(model, dtype, device)
+    lm = api.load(model, dtype, device, engine=engine)
     results = harness.run_tasks(lm, tasks, include_path, num_fewshot, limit, batch_size, policy, budget, recent,
                                 prefill, log_samples=log_samples, progress=not as_json, kv_bits=kv_bits, seed=seed)
     row = task_result(results, str(model), policy, budget)

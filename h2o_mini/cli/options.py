@@ -98,6 +98,12 @@ def model_options(f):
     return f
 
 
+def engine_option(f):
+    return click.option("--engine", default="h2o-mini", show_default=True, type=click.Choice(["h2o-mini", "transformers"]),
+                        help="what computes the model: h2o-mini's decoder, or transformers' AutoModelForCausalLM "
+                        "with the same evicting cache inside (needs 'h2o-mini[hf]'; docs/transformers.md)")(f)
+
+
 def kv_bits_option(f):
     return click.option("--kv-bits", default=None, type=click.Choice(["8", "4"]), callback=lambda c, p, v: v and int(v),
                         help="store keys and values as 8- or 4-bit integers (per-token groups of 32 channels, fp16 "

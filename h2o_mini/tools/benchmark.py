@@ -148,28 +148,38 @@ class _StepClock:
 
 @torch.inference_mode()
 def bench_hf(folder: Path, batch: int, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype,
-             device: torch.device) -> dict:
-    """transformers' own `generate` (greedy, full cache) on the same checkpoint and prompts. The decode
-    steps are timed themselves: a streamer stamps the clock as each new token arrives, and the rate is
-    batch x (new_tokens - 1) over the time from the first new token to the last (always positive)."""
+             device: torch.device, policy=None) -> dict:
+    """transformers' own `generate` (greedy) on the same checkpoint and prompts: with its own full cache, and
+    with `policy` (one that evicts) with h2o-mini's evicting cache inside (`transformers_cache.py`: what a user
+    of transformers runs). The decode steps are timed themselves: a streamer stamps the clock as each new token
+    arrives, and the rate is batch x (new_tokens - 1) over the time from the first new token to the last."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise UserError("--vs-hf needs transformers (pip install 'h2o-mini[dev]')") from None
+        raise UserError("--vs-hf needs transformers (pip install 'h2o-mini[hf]')") from None
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     x = torch.tensor(prompts, device=device)
     mask = torch.ones_like(x)
 
-    def timed(n: int) -> list[float]:
+    def timed(n: int, cache=None) -> list[float]:
         clock = _StepClock(device)
+        kw = {} if cache is None else {"cache": cache()}
         hf.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                    streamer=clock)
+                    streamer=clock, **kw)
         return clock.times
 
     timed(2)  # warm-up
     times = timed(new_tokens)  # [prompt, token 1, ..., token n]
-    return {"hf_prefill_s": round(times[1] - times[0], 4), "hf_decode_tok_s": rate(batch * (new_tokens - 1),
-                                                                                  times[-1] - times[1])}
+    out = {"hf_prefill_s": round(times[1] - times[0], 4),
+           "hf_decode_tok_s": rate(batch * (new_tokens - 1), times[-1] - times[1])}
+    if policy is not None and policy.takes_budget:
+        from ..transformers_cache import evicting_cache
+        length = x.shape[1] + new_tokens
+        timed(2, lambda: evicting_cache(hf, policy, length=length))
+        times = timed(new_tokens, lambda: evicting_cache(hf, policy, length=length))
+        out["hf_evicting_tok_s"] = rate(batch * (new_tokens - 1), times[-1] - times[1])
+        hf.set_attn_implementation("sdpa")  # the next full-cache run is transformers' own again
+    return out
 
 
 def rate(count: int, seconds: float) -> float | None:
@@ -231,7 +241,8 @@ def run_bench(lm: LM, policies, budgets, recent, batches, prompt_tokens, new_tok
                             recent_if_taken(policy, recent), same_prompt, label=f"{policy} {budget or ''}",
                             status=status)
             if vs_hf:  # transformers right after, on the same prompts: interleaved like the configurations
-                run.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device))
+                made = make_policy(policy, budget, n + new_tokens, recent_if_taken(policy, recent))
+                run.update(bench_hf(lm.folder, b, prompts, new_tokens, param.dtype, param.device, made))
             runs[key].append(run)
             if r == repeat - 1:  # this configuration's last run: its row is ready now
                 status["yielded"].add(key)
@@ -258,6 +269,9 @@ def _median(runs: list[dict], cap: int | None, vs_hf: bool = False) -> dict:
     if vs_hf:
         row.update(hf_prefill_s=median("hf_prefill_s"), hf_decode_tok_s=median("hf_decode_tok_s"),
                    hf_decode_tok_s_runs=[x["hf_decode_tok_s"] for x in runs])
+        if "hf_evicting_tok_s" in runs[-1]:  # the row's policy inside transformers' generate
+            row.update(hf_evicting_tok_s=median("hf_evicting_tok_s"),
+                       hf_evicting_tok_s_runs=[x["hf_evicting_tok_s"] for x in runs])
         both = row["decode_tok_s"] and row["hf_decode_tok_s"]
         row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
     peaks = [x["peak_mem_bytes"] for x in runs]
@@ -291,7 +305,7 @@ def table_row(row: dict, vs_hf: bool = False) -> str:
 
 
 def _columns(vs_hf: bool) -> dict[str, int]:
-    return {**COLUMNS, **({"hf_decode_tok_s": 15, "vs_hf": 6} if vs_hf else {})}
+    return {**COLUMNS, **({"hf_decode_tok_s": 15, "hf_evicting_tok_s": 17, "vs_hf": 6} if vs_hf else {})}
 
 
 def _line(row: dict, vs_hf: bool) -> str:

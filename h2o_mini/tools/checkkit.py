@@ -186,9 +186,10 @@ def _beside_others(model, policy: Policy, ids: list[int], want: torch.Tensor) ->
 
 
 @torch.inference_mode()
-def check_policy(make, families=tuple(FAMILIES), progress=None) -> list[dict]:
+def check_policy(make, families=tuple(FAMILIES), progress=None, transformers: bool = False) -> list[dict]:
     """Every path on every family (the compiled step and quantized storage on the first family), and the
-    closed form against the per-query rule. Rows: family, path, max_diff, passed. A hook that breaks the
+    closed form against the per-query rule; with `transformers`, the policy inside transformers' own models too
+    (`check_transformers.py`: families "hf llama_gqa", "hf gemma3"). Rows: family, path, max_diff, passed. A hook that breaks the
     protocol (`policies/guard.py`: it raises, returns NaN, a wrong shape or dtype, or changes its inputs) ends the
     check with a failed row whose `fault` names the hook and the fault."""
     rows, family = [], "-"
@@ -199,6 +200,14 @@ def check_policy(make, families=tuple(FAMILIES), progress=None) -> list[dict]:
                 rows.append({"family": family, "path": path, "max_diff": diff})
                 if progress:
                     progress(rows[-1])
+        if transformers:
+            from . import check_transformers  # the optional extra, imported only when asked for
+            for family in check_transformers.CONFIGS:
+                family = f"hf {family}"
+                for path, diff in check_transformers.check_paths(make, family[3:], list(TEXT.encode())[:T]):
+                    rows.append({"family": family, "path": f"in transformers: {path}", "max_diff": diff})
+                    if progress:
+                        progress(rows[-1])
     except PolicyFault as e:
         rows.append({"family": family, "path": "the protocol (docs/spec.md)", "max_diff": float("inf"), "fault": str(e)})
         if progress:

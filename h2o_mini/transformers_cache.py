@@ -38,7 +38,8 @@ from .config import Config
 from .config_readers import READERS, Fields
 from .errors import UserError
 from .policies import Policy, make_policy
-from .policies.base import refuse_lookahead
+from .policies.base import parse_budget, refuse_lookahead
+from .quant import check_kv_bits
 
 NAME = "h2o_mini"  # the attention implementation this module registers
 HANDLE = "h2o_mini_layer"  # the attribute of the keys `EvictingLayer.update` hands to the attention function
@@ -56,18 +57,28 @@ def evicting_cache(model: PreTrainedModel, policy: "str | Policy" = "h2o", budge
     if isinstance(policy, Policy):
         made = policy
     else:
-        if length is None and (budget is None or isinstance(budget, float) or "." in str(budget)):
-            raise UserError(f"policy {policy!r} with budget {budget!r}: give length= (the longest row, prompt and new "
-                            "tokens), which a fraction and a policy that keeps everything are measured against")
+        if length is None and budget is not None and isinstance(parse_budget(budget), float):
+            raise UserError(f"--budget {budget} is a fraction of the sequence: give length= (the longest row, prompt "
+                            "and new tokens)")
         made = make_policy(policy, budget, length or cfg.max_seq_len, recent)
+    if length is None and made.capacity is None:
+        raise UserError(f"policy {made.name!r} keeps every token: give length= (the longest row, prompt and new "
+                        "tokens), the slots it holds")
     refuse_lookahead(made)
     if made.state_size(cfg.head_dim) and cfg.family not in READERS and not naive:
         raise UserError(f"policy {made.name!r} observes rotated queries, and h2o-mini reads the rotary embedding "
                         f"only of its own families, not of {cfg.family!r}")
     if prefill not in ("dense", "stream"):
         raise UserError(f"unknown prefill {prefill!r} (choose dense or stream)")
+    use_attention(model)
+    return EvictingCache(cfg, made, length or cfg.max_seq_len, prefill, check_kv_bits(kv_bits), naive)
+
+
+def use_attention(model: PreTrainedModel) -> None:
+    """Sets the model's attention implementation to the one registered here (transformers' own switch)."""
     model.set_attn_implementation(NAME)
-    return EvictingCache(cfg, made, length or cfg.max_seq_len, prefill, kv_bits, naive)
+    if model.config._attn_implementation != NAME:  # (transformers only warns where it cannot switch)
+        raise UserError(f"{type(model).__name__} cannot switch its attention implementation to {NAME!r}")
 
 
 def model_config(model) -> Config:
@@ -146,7 +157,7 @@ class EvictingCache(Cache):
             cfg = replace(cfg, attn_scalar=None if scaling is None else scaling ** -2, attn_softcap=softcap)
         elif softcap != cfg.attn_softcap:
             raise UserError(f"the model soft-caps attention at {softcap}, its config at {cfg.attn_softcap}")
-        self.query_scale = 1.0 if scaling is None else scaling / cfg.attn_scale
+        self.query_scale = 1.0 if scaling is None or not own else scaling / cfg.attn_scale
         self.scaling = (scaling, softcap)
         if self.inner is not None:
             if not own:  # made from the config alone: the scale and soft-cap the model attends with
@@ -178,6 +189,7 @@ class EvictingLayer(CacheLayerMixin):
         super().__init__()
         self.owner, self.index, self.is_sliding = owner, index, sliding
         self.seen = 0  # columns read, padding included (what transformers calls the sequence length)
+        self.handed = False  # keys handed on by `update` and not yet attended
         self.next_pos = None  # (B, 1): each row's next original position (padding has none)
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -186,6 +198,10 @@ class EvictingLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.handed:  # the last call's keys never reached the attention function: it attended without the cache
+            raise UserError(f"layer {self.index} attended without the evicting cache: the model's attention "
+                            f"implementation must stay {NAME!r} while the cache is in use")
+        self.handed = True
         handed = key_states.view_as(key_states)  # a view: the caller's tensor is left as it was
         setattr(handed, HANDLE, self)
         return handed, value_states
@@ -194,6 +210,7 @@ class EvictingLayer(CacheLayerMixin):
         """query: (B, n_head, T, hd), key/value: (B, H, T, hd) after RoPE; real: (B, T) bool, False for padding, or
         None. -> (B, n_head, T, hd)."""
         B, T = query.shape[0], query.shape[2]
+        self.handed = False
         if self.next_pos is None:
             self.next_pos = torch.zeros(B, 1, dtype=torch.int64, device=query.device)
         if real is None:  # no padding (transformers leaves out a mask of all ones)

@@ -19,7 +19,7 @@ from .cache import KVCache
 from .errors import UserError
 from .model import softcap
 from .policies import Full
-from .transformers_cache import NAME, EvictingCache, model_config
+from .transformers_cache import EvictingCache, model_config, use_attention
 
 
 class TransformersModel(torch.nn.Module):
@@ -31,7 +31,7 @@ class TransformersModel(torch.nn.Module):
         super().__init__()
         self.cfg = model_config(hf)  # a model the cache cannot hold is refused here, before any work
         self.hf = hf.eval().requires_grad_(False)
-        hf.set_attn_implementation(NAME)
+        use_attention(hf)
         self.cap = getattr(hf.config.get_text_config(), "final_logit_softcapping", None)  # Gemma 2
         self.view = None  # the EvictingCache transformers sees over the h2o-mini cache read last
 

@@ -92,6 +92,16 @@ def test_policies_inside_the_context(lm, task_dir):
     assert abs(got - want) < 1e-4
 
 
+def test_tasks_under_a_policy_inside_transformers_give_h2o_minis_answers(folder, lm, task_dir):
+    """`eval tasks --engine transformers`: every request's log-likelihood under h2o at 0.25 as h2o-mini's decoder."""
+    from h2o_mini.evals.harness import run_tasks
+    theirs = api.load(folder, engine="transformers")
+    args = dict(num_fewshot=1, log_samples=True, policy="h2o", budget="0.25", batch_size=3)
+    want = _lls(run_tasks(lm, ["tiny_choice"], str(task_dir), **args))
+    got = _lls(run_tasks(theirs, ["tiny_choice"], str(task_dir), **args))
+    assert len(got) == 18 and max(abs(x - y) for x, y in zip(got, want)) <= 1e-4
+
+
 def test_eval_tasks_cli_json_and_errors(folder, task_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
     code, stdout, err = run_cli(capsys, monkeypatch, "eval", "tasks", "--model", folder, "--tasks", "tiny_choice",

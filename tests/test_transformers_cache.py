@@ -115,8 +115,10 @@ def test_a_model_the_cache_cannot_hold_is_refused_in_one_line(outside, family, n
 
 def test_what_the_cache_cannot_do_is_refused(tiny, outside):
     hf = tiny("llama_gqa_tied")[1]
-    with pytest.raises(UserError, match="give length="):
+    with pytest.raises(UserError, match="is a fraction of the sequence: give length="):
         evicting_cache(hf, "h2o", budget=0.2)
+    with pytest.raises(UserError, match="keeps every token: give length="):
+        evicting_cache(hf, "full")
     with pytest.raises(UserError, match="reads the text ahead"):
         evicting_cache(hf, "hindsight", budget=8)
     with pytest.raises(UserError, match="reads the rotary embedding only of its own families"):
@@ -127,6 +129,11 @@ def test_what_the_cache_cannot_do_is_refused(tiny, outside):
     hf.set_attn_implementation("h2o_mini")
     with torch.no_grad(), pytest.raises(UserError, match="attends only through an evicting cache"):
         hf(x, use_cache=False)
+    cache = evicting_cache(hf, "h2o", budget=8)
+    hf.set_attn_implementation("sdpa")  # transformers' own attention would read only each call's new keys
+    with torch.no_grad(), pytest.raises(UserError, match="layer 0 attended without the evicting cache"):
+        for t in range(2):
+            hf(x[:, t:t + 1], cache=cache, use_cache=True)
     hf.set_attn_implementation("eager")
 
 

@@ -128,6 +128,8 @@ def test_bench_json_and_memory_cap(folder):
     assert (full["batch"], h2o["batch"]) == (2, 8)  # the largest batches whose caches fit the cap
     # rates come from timed decode steps: a finite number (never negative or infinite), or None
     assert isinstance(h2o["hf_decode_tok_s"], float) and math.isfinite(h2o["hf_decode_tok_s"]) and "vs_hf" in h2o
+    # h2o inside transformers' own generate too (full is transformers' own cache, timed once)
+    assert isinstance(h2o["hf_evicting_tok_s"], float) and "hf_evicting_tok_s" not in full
     assert_one_line_error(run("bench", "--model", folder, "--kv-memory", "lots"), "not a size")
 
 

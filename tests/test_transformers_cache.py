@@ -3,7 +3,6 @@ cache gives h2o-mini's decoder's logits on every family, in decode and both prom
 tokens through `model.generate` with left padding; a family h2o-mini's decoder lacks equals the naive reference
 run through that model's own attention; a model the cache cannot hold is refused in one line."""
 import json
-import sys
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from h2o_mini.policies import REGISTRY, make_policy
 from h2o_mini.transformers_cache import evicting_cache
 
 from .conftest import FAMILIES, GPL3, add_byte_tokenizer, build_hf, text_bytes
+from .test_bad_input import run_cli
 from .test_workbench import VNORM
 
 T, C, N = 40, 10, 28
@@ -135,19 +135,6 @@ def test_what_the_cache_cannot_do_is_refused(tiny, outside):
         for t in range(2):
             hf(x[:, t:t + 1], cache=cache, use_cache=True)
     hf.set_attn_implementation("eager")
-
-
-def run_cli(capsys, monkeypatch, *args):
-    """(exit code, stdout, stderr) of `h2o-mini ARGS`, in this process (what the `h2o-mini` script calls)."""
-    from h2o_mini import cli
-    monkeypatch.setattr(sys, "argv", ["h2o-mini", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -178,7 +178,6 @@ def bench_hf(folder: Path, batch: int, prompts: list[list[int]], new_tokens: int
         timed(2, lambda: evicting_cache(hf, policy, length=length))
         times = timed(new_tokens, lambda: evicting_cache(hf, policy, length=length))
         out["hf_evicting_tok_s"] = rate(batch * (new_tokens - 1), times[-1] - times[1])
-        hf.set_attn_implementation("sdpa")  # the next full-cache run is transformers' own again
     return out
 
 

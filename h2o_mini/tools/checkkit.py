@@ -189,8 +189,8 @@ def _beside_others(model, policy: Policy, ids: list[int], want: torch.Tensor) ->
 def check_policy(make, families=tuple(FAMILIES), progress=None, transformers: bool = False) -> list[dict]:
     """Every path on every family (the compiled step and quantized storage on the first family), and the
     closed form against the per-query rule; with `transformers`, the policy inside transformers' own models too
-    (`check_transformers.py`: families "hf llama_gqa", "hf gemma3"). Rows: family, path, max_diff, passed. A hook that breaks the
-    protocol (`policies/guard.py`: it raises, returns NaN, a wrong shape or dtype, or changes its inputs) ends the
+    (`check_transformers.py`: families "hf llama_gqa", "hf gemma3"). Rows: family, path, max_diff, passed.
+    A hook that breaks the protocol (`policies/guard.py`: it raises, returns NaN, a wrong shape or dtype, or changes its inputs) ends the
     check with a failed row whose `fault` names the hook and the fault."""
     rows, family = [], "-"
     try:

@@ -60,7 +60,6 @@ class LayerCache:
         n = policy.state_size(cfg.head_dim)  # a rule's own running numbers per query head (docs/spec.md)
         self.rope, self.state = rope, (torch.zeros(*shape[:2], cfg.group, n, device=device) if n else None)
         self.fresh = True  # nothing read yet: a dense prompt may come
-        self.rendezvous = None  # set while `wavefront.read` batches several layers' stream loops
 
     def tensors(self) -> tuple[torch.Tensor, ...]:  # what the slots hold: K and V as stored, positions, scores
         return (*self.k, *self.v, self.pos, self.score)
@@ -85,9 +84,6 @@ class LayerCache:
         """q: (B, n_head, T, hd); k, v: (B, H, T, hd) after RoPE; pos: (B, T) original positions (< 0: padding).
         Returns (B, n_head, T, hd). T = 1 is a decode step; T > 1 a prompt chunk."""
         k, v = self.codec.encode(k), self.codec.encode(v)  # parts: attention reads them as stored
-        if self.rendezvous is not None:  # a text read a wavefront at a time (wavefront.py): every input streams
-            self.fresh = False
-            return self.rendezvous(self, q, k, v, pos)
         if q.shape[2] == 1:
             return self.step(q, k, v, pos)
         dense, self.fresh = self.prefill == "dense" and self.fresh, False

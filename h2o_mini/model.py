@@ -99,7 +99,8 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None  # Qwen3, Gemma 3
         self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
 
-    def forward(self, x, pos, rope, cache) -> torch.Tensor:
+    def qkv(self, x, pos, rope):
+        """The first stage: queries (B, n_head, T, hd), keys and values (B, n_kv_head, T, hd), after RoPE."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
@@ -109,11 +110,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # keys are cached after RoPE at their original position: never re-rotated
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
+
+    def attend(self, q, k, v, pos, cache) -> torch.Tensor:
+        """(B, n_head, T, hd): causal attention, or this layer's `cache.LayerCache`, which picks its path."""
         if cache is None:
-            out = causal_attention(q, k, v, pos, self.window, cfg.attn_scale, cfg.attn_softcap)
-        else:
-            out = cache.attend(q, k, v, pos)  # (B, n_head, T, hd): this layer's `cache.LayerCache` picks its path
-        return all_reduce(self.wo(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim)), self.shard)
+            return causal_attention(q, k, v, pos, self.window, self.cfg.attn_scale, self.cfg.attn_softcap)
+        return cache.attend(q, k, v, pos)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The last stage: the heads' outputs (B, n_head, T, hd) through the output projection, (B, T, d)."""
+        B, _, T, _ = o.shape
+        return all_reduce(self.wo(o.transpose(1, 2).reshape(B, T, self.cfg.n_head * self.cfg.head_dim)), self.shard)
+
+    def forward(self, x, pos, rope, cache) -> torch.Tensor:
+        return self.out(self.attend(*self.qkv(x, pos, rope), pos, cache))
 
 
 def causal_attention(q, k, v, pos, window: int | None = None, scale: float | None = None,
@@ -163,20 +174,29 @@ class Block(nn.Module):
         self.post_attn_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.post_mlp_norm = make_norm(cfg) if cfg.sandwich_norm else None
 
-    def forward(self, x, pos, rope, cache) -> torch.Tensor:
-        def attn(h):
-            return self.attn(h, pos, rope, cache)
+    # A block in two stages around its attention, so that a reader may run the attention of several blocks
+    # (and chunks) between them as one batch (`wavefront.py`); `forward` is the two stages with attention between.
+    def qkv(self, x, pos, rope):
+        """q, k, v (after RoPE) of the block's attention input: x normalised first, except in post-norm blocks."""
+        post_norm = not (self.cfg.sandwich_norm or self.cfg.parallel_residual or self.cfg.norm_before)
+        return self.attn.qkv(x if post_norm else self.norm1(x), pos, rope)
 
+    def finish(self, x, o) -> torch.Tensor:
+        """The block's output from its input x and its attention's heads o (B, n_head, T, hd)."""
+        a = self.attn.out(o)  # (B, T, d)
         if self.cfg.sandwich_norm:  # Gemma 2/3
-            h = x + self.post_attn_norm(attn(self.norm1(x)))
+            h = x + self.post_attn_norm(a)
             return h + self.post_mlp_norm(self.mlp(self.norm2(h)))
         if self.cfg.parallel_residual:  # GPT-NeoX / GPT-J: both branches read the same input
-            return x + attn(self.norm1(x)) + self.mlp(self.norm2(x))
+            return x + a + self.mlp(self.norm2(x))
         if self.cfg.norm_before:  # LLaMA, most OPT sizes
-            h = x + attn(self.norm1(x))
+            h = x + a
             return h + self.mlp(self.norm2(h))
-        h = self.norm1(x + attn(x))  # OPT-350m: the norm comes after each residual add
+        h = self.norm1(x + a)  # OPT-350m: the norm comes after each residual add
         return self.norm2(h + self.mlp(h))
+
+    def forward(self, x, pos, rope, cache) -> torch.Tensor:
+        return self.finish(x, self.attn.attend(*self.qkv(x, pos, rope), pos, cache))
 
 
 class Transformer(nn.Module):

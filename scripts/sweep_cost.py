@@ -1,15 +1,15 @@
 """Where a sweep's time goes: `eval sweep ppl` over every registered evicting policy at 0.1 and 0.2, as one batch,
 with its wall time split into the parts that run it (docs/benchmarks.md, "The per-token loop (issue 36)").
 
-Every part is timed where it runs, in this process, by wrapping it (the wavefront's threads take turns, one at a
-time, so the parts never overlap and add up to the wall):
+Every part is timed where it runs, in this process, by wrapping it (one thread, one part at a time, so the parts
+never overlap and add up to the wall):
 
 * scoring: the head and the NLL / KL of every row's logits (`ppl.tally` and `model.head`);
 * setup: per layer and chunk, the virtual slots gathered and the survivors compacted (`prompt._Read`);
 * loop: the per-token body (`prompt.stream_token`) less the rules' hooks inside it;
 * hooks: each rule's own hooks (keep_score, update, accumulate, observe, ...), per rule, wherever they run;
 * attention: the rest of `prompt.stream_many` (the chunk's logits, its masked softmax and output);
-* forward: everything else (the linear layers, norms and RoPE of every row, the wavefront's turns).
+* forward: everything else (the linear layers, norms and RoPE of every row, the wavefront's own loop).
 
 Then against one full read per point: in this process (the read and its scoring), and as issue 36 measures it,
 the wall of the command `h2o-mini eval ppl --policy full` (loading the model included); its target for the sweep

@@ -101,7 +101,7 @@ def score_many(model: Transformer, ids: list[int], policies: list[Policy], refer
         cache = decoder.new_cache(Rows([(policies[i], 1) for i in batch]), n, T, "stream")
         sums = torch.zeros(n, 3, dtype=torch.float64)  # per row: NLL, top-1 agreements, KL(full || policy)
         idx, pos = x.expand(n, -1), torch.arange(T, device=device).expand(n, -1)  # the same tokens in every row
-        for s, h in tqdm(read_chunks(model, model.hidden, cache, idx, pos, chunk), total=-(-T // chunk), desc=f"eval {n} policies", unit="chunk",
+        for s, h in tqdm(read_chunks(model, cache, idx, pos, chunk, head=False), total=-(-T // chunk), desc=f"eval {n} policies", unit="chunk",
                          disable=None if progress else True, leave=False):
             for b, e in blocks(s, h.shape[1], T):  # the head one row and block at a time: never (n, k, V)
                 for r in range(n):
@@ -162,15 +162,17 @@ def read_logits(decoder: Decoder, policy: Policy, rows: list[list[int]]) -> Iter
     if not cache.evicts:  # one pass: with the cache if it quantizes (attention reads K and V as stored)
         yield 0, model(idx, pos) if decoder.kv_bits is None else model(idx, pos, cache)
         return
-    yield from read_chunks(model, model, cache, idx, pos, chunk)
+    yield from read_chunks(model, cache, idx, pos, chunk)
 
 
-def read_chunks(model: Transformer, forward, cache, idx, pos, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(start, forward(the chunk at start, cache)) in order: the loops of chunk c at layer l, chunk c-1 at layer
-    l+1, ... as one (`wavefront.py`); under tensor parallel, the chunks in turn."""
-    if model.shard is None:
-        yield from wavefront.read(forward, cache, idx, pos, chunk)
+def read_chunks(model: Transformer, cache, idx, pos, chunk: int, head: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, the logits of the chunk at start, or without `head` its last layer's output) in order: the loops of
+    chunk c at layer l, chunk c-1 at layer l+1, ... as one (`wavefront.py`, tensor parallel too). A model without
+    h2o-mini's block stages (`--engine transformers`) reads the chunks in turn."""
+    if isinstance(model, Transformer):
+        yield from wavefront.read(model, cache, idx, pos, chunk, head)
         return
+    forward = model if head else model.hidden
     for s in range(0, idx.shape[1], chunk):
         yield s, forward(idx[:, s:s + chunk], pos[:, s:s + chunk], cache)
 

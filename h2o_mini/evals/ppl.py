@@ -101,7 +101,8 @@ def score_many(model: Transformer, ids: list[int], policies: list[Policy], refer
         cache = decoder.new_cache(Rows([(policies[i], 1) for i in batch]), n, T, "stream")
         sums = torch.zeros(n, 3, dtype=torch.float64)  # per row: NLL, top-1 agreements, KL(full || policy)
         idx, pos = x.expand(n, -1), torch.arange(T, device=device).expand(n, -1)  # the same tokens in every row
-        for s, h in tqdm(read_chunks(model, cache, idx, pos, chunk, head=False), total=-(-T // chunk), desc=f"eval {n} policies", unit="chunk",
+        chunks = read_chunks(model, cache, idx, pos, chunk, head=False)
+        for s, h in tqdm(chunks, total=-(-T // chunk), desc=f"eval {n} policies", unit="chunk",
                          disable=None if progress else True, leave=False):
             for b, e in blocks(s, h.shape[1], T):  # the head one row and block at a time: never (n, k, V)
                 for r in range(n):

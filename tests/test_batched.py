@@ -14,7 +14,7 @@ from h2o_mini.policies.rows import Rows
 from h2o_mini.tools.record import record, record_many
 
 from .conftest import FAMILIES, GPL3, text_bytes
-from .test_workbench import VNORM
+from .test_plugins import VNORM
 
 T = 48
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2o_mini import api
+from h2o_mini import api, errors
 from h2o_mini.tools import benchmark as bench
 
+from .test_bad_input import run_cli
 from .test_cli import assert_one_line_error, run
 
 
@@ -140,3 +141,34 @@ def test_the_sweep_cost_split_attributes_every_part(folder):
     assert all(v >= 0 for v in parts.values()), parts
     assert row["points"] == 4 and abs(sum(parts.values()) - row["sweep_s"]) < 0.1 * len(parts)
     assert 0 < row["nll_h2o_0.1"] < 20
+
+
+def test_ctrl_c_in_bench_before_any_row_says_how_far_it_got(folder, capsys, monkeypatch):
+    from h2o_mini.tools import benchmark as bench
+
+    def interrupted(*a, status=None, **kw):
+        status["stage"] = "decode step 3 of 7"
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "bench_one", interrupted)
+    code, out, err = run_cli(capsys, monkeypatch, "bench", "--model", folder, "--policy", "h2o", "--budget", "0.5",
+                             "--prompt-tokens", 16, "--new-tokens", 8)
+    assert code == 130 and out == ""
+    assert "before any configuration finished" in err and "h2o budget=0.5" in err and "decode step 3 of 7" in err
+
+
+def test_out_of_memory_is_one_line_naming_the_size_and_what_to_lower(folder, capsys, monkeypatch):
+    from h2o_mini.tools import benchmark as bench
+    try:
+        torch.empty(2**62, dtype=torch.uint8)  # past any address space: torch's own allocator error
+        pytest.skip("this machine allocated 4 EiB")
+    except RuntimeError as e:
+        real = e
+
+    def boom(*a, **kw):
+        raise real
+    monkeypatch.setattr(bench, "bench_one", boom)
+    code, _, err = run_cli(capsys, monkeypatch, "bench", "--model", folder, "--batch", 4096, "--prompt-tokens", 16)
+    *progress, last = err.strip().splitlines()  # bench's own progress line comes first
+    assert code == 1 and "Traceback" not in err and all(p.startswith("bench: ") for p in progress)
+    assert last.startswith("h2o-mini: error: out of memory") and "4611686018.43 GB" in last and "--batch" in last
+    assert errors.out_of_memory(ValueError("shape mismatch"), "bench") is None  # other errors are not caught

@@ -13,7 +13,7 @@ from h2o_mini.cache import KVCache
 from h2o_mini.errors import UserError
 from h2o_mini.evals.learn import fit, save_rule
 from h2o_mini.policies import Policy, make_policy
-from h2o_mini.policies.guard import PolicyFault, checked
+from h2o_mini.policies.guard import checked
 from h2o_mini.policies.learned import FEATURES
 from h2o_mini.tools import checkkit
 

@@ -5,7 +5,7 @@ import torch
 from h2o_mini.generate import Decoder, left_pad
 from h2o_mini.policies import Full
 
-from .conftest import FAMILIES, TINY, text_bytes
+from .conftest import FAMILIES, TINY, seeded_weights_, text_bytes
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -135,3 +135,15 @@ def test_full_on_a_sliding_window_model_holds_w_slots_and_equals_transformers(ti
     got = [model(x[:, :30], torch.arange(30)[None], cache)[0]]
     got += [model(x[:, t:t + 1], torch.tensor([[t]]), cache)[0] for t in range(30, 40)]
     assert (torch.cat(got) - want).abs().max().item() <= 1e-4
+
+
+def test_tiny_models_do_not_depend_on_transformers_initialisation():
+    """The weights come from our seeded generator: whatever transformers draws first is overwritten."""
+    from transformers import AutoModelForCausalLM
+    states = []
+    for torch_seed in (1, 2):
+        torch.manual_seed(torch_seed)  # a different draw inside transformers' own init
+        model = AutoModelForCausalLM.from_config(TINY["llama_gqa_tied"]())
+        seeded_weights_(model, 7)
+        states.append(model.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

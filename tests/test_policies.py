@@ -1,5 +1,6 @@
 """Hand-worked eviction examples, budget rules, and conformance tests that run for every registered policy."""
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -9,9 +10,10 @@ from h2o_mini import (H2O, REGISTRY, TOVA, Full, HeavyHitter, KeyDiff, KNorm, Lo
 from h2o_mini.cache import KVCache
 from h2o_mini import prompt
 from h2o_mini.config import Config
-from h2o_mini.policies import capacity_for, parse_budget
+from h2o_mini.policies import Policy, capacity_for, parse_budget
 
-from .conftest import text_bytes
+from .conftest import GPL3, text_bytes
+from .test_bad_input import one_line_error, run_cli
 
 # One layer, one KV head shared by two query heads (GQA group of 2), head_dim 4.
 CFG = Config(family="llama", vocab_size=8, n_layer=1, n_head=2, n_kv_head=1, d_model=8, head_dim=4, d_ff=8,
@@ -223,3 +225,44 @@ def test_pyramidkv_shrinks_with_depth_and_keeps_the_total():
     assert [pol.layer_capacity(i, 30, 100) for i in (0, 29)] == [100, 100]  # C >= L: everything, every layer
     capped = [pol.layer_capacity(i, 30, 200) for i in range(30)]  # the bottom would exceed L: capped, total kept
     assert max(capped) == 200 and sum(capped) == 30 * 132
+
+
+# ---- parameter combinations that contradict the rule, refused from the protocol ----
+
+@pytest.fixture(scope="module")
+def folder(byte_folder):
+    return byte_folder("llama_gqa_tied")
+
+
+@dataclass(frozen=True)
+class _ProtectsAll(Policy):
+    keep: int
+    name = "protects_all"
+
+    @property
+    def capacity(self):
+        return self.keep
+
+    def keep_score(self, score, pos, t, keys=None, values=None):
+        return torch.full_like(score, torch.inf)
+
+
+def test_a_cache_whose_every_slot_is_protected_is_refused():
+    with pytest.raises(UserError, match="every one of its 3 slots is protected"):
+        _ProtectsAll(keep=3)
+    for name, cls in REGISTRY.items():  # every registered policy's own default split is fine at any C
+        if cls.takes_budget:
+            for C in (1, 2, 5, 64):
+                make_policy(name, C, 1000)
+
+
+def test_sinks_with_no_recent_share_is_refused_on_the_cli(folder, capsys, monkeypatch):
+    result = run_cli(capsys, monkeypatch, "generate", "--model", folder, "--policy", "sinks", "--budget", 4,
+                     "--recent", 0, "hi")
+    one_line_error(result, "every one of its 4 slots is protected")
+
+
+def test_a_budget_that_rounds_to_one_token_says_so(folder, capsys, monkeypatch):
+    code, _, err = run_cli(capsys, monkeypatch, "eval", "ppl", "--model", folder, "--text", GPL3, "--tokens", 20,
+                           "--policy", "h2o", "--budget", "1e-7")
+    assert code == 0 and "rounds to less than one token: C = 1" in err

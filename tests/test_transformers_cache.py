@@ -15,7 +15,7 @@ from h2o_mini.transformers_cache import evicting_cache
 
 from .conftest import FAMILIES, GPL3, add_byte_tokenizer, build_hf, text_bytes
 from .test_bad_input import run_cli
-from .test_workbench import VNORM
+from .test_plugins import VNORM
 
 T, C, N = 40, 10, 28
 IDS = text_bytes(T, offset=2000)

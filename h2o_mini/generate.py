@@ -22,6 +22,7 @@ from .errors import UserError
 from .model import Transformer
 from .policies import Policy
 from .policies.base import refuse_lookahead
+from .policies.guard import PolicyFault
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,22 @@ def allow_recompiles(limit: int = 64) -> None:
     setattr(config, name, max(getattr(config, name), limit))
 
 
+def refuse_endless_recompiles(step):
+    """The compiled `step`, where dynamo gives up recompiling it as one line: a hook that reads Python state
+    which changes between calls (a counter, an unseeded draw) makes every call a new graph."""
+    exc = torch._dynamo.exc
+    limit_hit = getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", RuntimeError)
+
+    def run(*args):
+        try:
+            return step(*args)
+        except limit_hit:
+            raise PolicyFault("the compiled decode step was compiled again at every call: a hook of the policy "
+                              "reads Python state that changes between calls, which a compiled step cannot hold "
+                              "(keep such state in tensors, docs/policies.md, or run without --compile)") from None
+    return run
+
+
 def left_pad(prompts: list[list[int]], pad_id: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(idx, pos), both (B, T): prompts right-aligned; padding has token `pad_id` and a negative position."""
     T = max(len(p) for p in prompts)
@@ -110,9 +127,10 @@ class Decoder:
             allow_recompiles()
         if self.compiled == "step":
             mode = "reduce-overhead" if cuda else None  # CUDA graphs on GPU
-            self.step = torch.compile(decode_step, fullgraph=True, mode=mode)
+            self.step = refuse_endless_recompiles(torch.compile(decode_step, fullgraph=True, mode=mode))
         elif self.compiled == "layer":
-            self.step = partial(layerwise_decode_step, torch.compile(run_block, fullgraph=True, dynamic=False))
+            block = torch.compile(run_block, fullgraph=True, dynamic=False)
+            self.step = refuse_endless_recompiles(partial(layerwise_decode_step, block))
         else:
             self.step = decode_step
         # With `compile`, the caches' stream loop body is fused into one kernel too. (On this project's CPUs it

@@ -56,50 +56,58 @@ def _lls(results):
     return [float(r[0][0]) for s in results["samples"]["tiny_choice"] for r in s["resps"]]
 
 
-def test_full_policy_equals_lm_evals_hf_backend(lm, folder, task_dir):
+@pytest.fixture(scope="module")
+def full_run(lm, task_dir):
+    """eval tasks with the full cache, batches of 4 (padded rows), every sample logged."""
+    from h2o_mini.evals.harness import run_tasks
+    return run_tasks(lm, ["tiny_choice"], str(task_dir), num_fewshot=1, batch_size=4, log_samples=True)
+
+
+@pytest.fixture(scope="module")
+def h2o_quarter(lm, task_dir):
+    """Each request's log-likelihoods under h2o at 0.25 of its own length, in batches of 3."""
+    from h2o_mini.evals.harness import run_tasks
+    return _lls(run_tasks(lm, ["tiny_choice"], str(task_dir), num_fewshot=1, log_samples=True, policy="h2o",
+                          budget="0.25", batch_size=3))
+
+
+def test_full_policy_equals_lm_evals_hf_backend(folder, task_dir, full_run):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    from h2o_mini.evals.harness import run_tasks
-    ours = run_tasks(lm, ["tiny_choice"], str(task_dir), num_fewshot=1, batch_size=4, log_samples=True)
     # the byte tokenizer has no BOS/EOS: both sides use the config's EOS (2) as the empty-context prefix
     theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32,device=cpu,prefix_token_id=2",
                              tasks=["tiny_choice"], num_fewshot=1, task_manager=TaskManager(include_path=str(task_dir)),
                              log_samples=True)  # lm-eval's default seeds, as run_tasks uses
-    a, b = _lls(ours), _lls(theirs)
+    a, b = _lls(full_run), _lls(theirs)
     assert len(a) == len(b) == 18
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4
-    assert ours["results"]["tiny_choice"]["acc,none"] == theirs["results"]["tiny_choice"]["acc,none"]
+    assert full_run["results"]["tiny_choice"]["acc,none"] == theirs["results"]["tiny_choice"]["acc,none"]
 
 
-def test_policies_inside_the_context(lm, task_dir):
-    """h2o at budget 1.0 is full; at 0.25 the few-shot context is evicted from, and each request's
-    log-likelihood equals the naive reference's for the same tokens and C (a fraction of its own length)."""
-    from h2o_mini.evals.harness import PolicyLM, run_tasks
-    full = _lls(run_tasks(lm, ["tiny_choice"], str(task_dir), num_fewshot=1, log_samples=True))
-    same = _lls(run_tasks(lm, ["tiny_choice"], str(task_dir), num_fewshot=1, log_samples=True, policy="h2o",
-                          budget="1.0"))
-    assert max(abs(x - y) for x, y in zip(full, same)) <= 1e-4
-    small = _lls(run_tasks(lm, ["tiny_choice"], str(task_dir), num_fewshot=1, log_samples=True, policy="h2o",
-                           budget="0.25", batch_size=3))
-    assert max(abs(x - y) for x, y in zip(full, small)) > 1e-3
-    harness = PolicyLM(lm, "h2o", "0.25")
+def test_policies_inside_the_context(lm, full_run, h2o_quarter):
+    """At 0.25 the few-shot context is evicted from, and each request's log-likelihood equals the naive
+    reference's for the same tokens and C (a fraction of its own length); at 1.0 h2o is full."""
+    from h2o_mini.evals.harness import PolicyLM
+    assert max(abs(x - y) for x, y in zip(_lls(full_run), h2o_quarter)) > 1e-3
     ctx, cont = text_bytes(60, 100), text_bytes(5, 160)
-    got, _ = harness._loglikelihood_tokens([(None, ctx, cont)])[0]
     seq = ctx + cont
+    full, _ = PolicyLM(lm)._loglikelihood_tokens([(None, ctx, cont)])[0]
+    same, _ = PolicyLM(lm, "h2o", "1.0")._loglikelihood_tokens([(None, ctx, cont)])[0]
+    assert abs(same - full) <= 1e-4
+    got, _ = PolicyLM(lm, "h2o", "0.25")._loglikelihood_tokens([(None, ctx, cont)])[0]
     policy = make_policy("h2o", "0.25", len(seq) - 1)
     ref = reference_logits(lm.model, seq[:-1], policy, policy.capacity).log_softmax(-1)
     want = sum(ref[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
-    assert abs(got - want) < 1e-4
+    assert abs(got - want) < 1e-4 and abs(got - full) > 1e-3
 
 
-def test_tasks_under_a_policy_inside_transformers_give_h2o_minis_answers(folder, lm, task_dir):
+def test_tasks_under_a_policy_inside_transformers_give_h2o_minis_answers(folder, task_dir, h2o_quarter):
     """`eval tasks --engine transformers`: every request's log-likelihood under h2o at 0.25 as h2o-mini's decoder."""
     from h2o_mini.evals.harness import run_tasks
     theirs = api.load(folder, engine="transformers")
-    args = dict(num_fewshot=1, log_samples=True, policy="h2o", budget="0.25", batch_size=3)
-    want = _lls(run_tasks(lm, ["tiny_choice"], str(task_dir), **args))
-    got = _lls(run_tasks(theirs, ["tiny_choice"], str(task_dir), **args))
-    assert len(got) == 18 and max(abs(x - y) for x, y in zip(got, want)) <= 1e-4
+    got = _lls(run_tasks(theirs, ["tiny_choice"], str(task_dir), num_fewshot=1, log_samples=True, policy="h2o",
+                         budget="0.25", batch_size=3))
+    assert len(got) == 18 and max(abs(x - y) for x, y in zip(got, h2o_quarter)) <= 1e-4
 
 
 def test_eval_tasks_cli_json_and_errors(folder, task_dir, tmp_path, capsys, monkeypatch):

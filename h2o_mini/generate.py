@@ -98,7 +98,7 @@ def refuse_endless_recompiles(step):
         except limit_hit:
             raise PolicyFault("the compiled decode step was compiled again at every call: a hook of the policy "
                               "reads Python state that changes between calls, which a compiled step cannot hold "
-                              "(keep such state in tensors, docs/policies.md, or run without --compile)") from None
+                              "(a hook is pure tensor code, docs/spec.md; or run without --compile)") from None
     return run
 
 

@@ -24,6 +24,8 @@ def test_the_readme_names_exactly_the_policies_recent_applies_to():
     text = " ".join(README.read_text().split())
     sentence = text[text.index("`--recent` splits C for"):].split("(`h2o-mini policies` marks them)")[0]
     assert set(re.findall(r"`(\w+)`", sentence)) - {"--recent"} == {n for n, c in REGISTRY.items() if c.takes_recent}
+
+
 def test_recent_help_names_exactly_the_policies_it_applies_to():
     named = set(re.findall(r"[a-z_0-9]+", RECENT_HELP.split(" (and")[0].split("for ", 1)[1]))
     assert named == {name for name, cls in REGISTRY.items() if cls.takes_recent}

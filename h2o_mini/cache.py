@@ -89,6 +89,12 @@ class LayerCache:
         dense, self.fresh = self.prefill == "dense" and self.fresh, False
         return (prompt.dense if dense else prompt.stream)(self, q, k, v, pos)
 
+    def streamed(self, q, k, v, pos) -> tuple:
+        """This layer's prompt chunk as a request for `prompt.stream_many` (keys and values as stored), where a
+        reader batches several layers' stream loops (`wavefront.py`): read in stream mode, no dense prompt after."""
+        self.fresh = False
+        return self, q, self.codec.encode(k), self.codec.encode(v), pos
+
     def step(self, q, k, v, pos) -> torch.Tensor:
         """One token per row through the rule, in place: no host sync, no branch on values (it is compiled)."""
         policy, t = self.policy, pos[:, :, None]  # t: (B, 1, 1)

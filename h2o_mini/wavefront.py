@@ -39,9 +39,7 @@ def read(model, cache, idx: torch.Tensor, pos: torch.Tensor, chunk: int,
             if layer == 0:
                 x[c], ropes[c] = model.embed(idx[:, s:s + chunk], pos[:, s:s + chunk])
             q, k, v = model.layers[layer].qkv(x[c], pos[:, s:s + chunk], ropes[c][layer])
-            slots = cache.layers[layer]
-            slots.fresh = False  # read in stream mode: no dense prompt after it
-            requests.append((slots, q, slots.codec.encode(k), slots.codec.encode(v), pos[:, s:s + chunk]))
+            requests.append(cache.layers[layer].streamed(q, k, v, pos[:, s:s + chunk]))
         for (c, layer), o in zip(cells, stream_batched(requests)):
             x[c] = model.layers[layer].finish(x[c], o)
             if layer == L - 1:  # one chunk leaves the top per diagonal, in order

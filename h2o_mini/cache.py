@@ -22,7 +22,6 @@ from . import prompt
 from .config import Config, layer_inv_freq
 from .model import Rope, softcap
 from .policies import Policy
-from .policies.base import keep_scores
 from .quant import codec, scatter_slots_
 
 
@@ -103,7 +102,7 @@ class LayerCache:
             new = policy.observe(self.state, q.reshape(B, H, g, q.shape[-1]), t, self.rope)
             self.state.copy_(torch.where(t[..., None] >= 0, new, self.state))
         # 1. evict: the lowest keep-score, where a slot with no live token (empty, or dead) scores -inf
-        keep = keep_scores(policy, self.score, self.pos, t, self.keys(), self.values(), self.state)  # (B, H, C)
+        keep = policy.keep_score(self.score, self.pos, t, self.keys(), self.values(), self.state)  # (B, H, C)
         slot = evict(keep.masked_fill(~self.live(t), -torch.inf), self.pos, self.room)  # (B, H, 1)
         # 2. insert token t into that slot, with the score it enters with (0 for H2O)
         scatter_slots_(self.k, slot, k)
@@ -129,8 +128,9 @@ class LayerCache:
         if not scores and self.cap is None:  # SDPA cannot soft-cap: capped logits take the explicit path
             mask = mask[:, :, None].expand(B, H, g, T, S).reshape(B, H, g * T, S)
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale).view(B, n_head, T, D), None
-        logits = softcap((qg @ k.transpose(-1, -2)).float() * self.scale, self.cap).view(B, H, g, T, S)
-        probs = logits.masked_fill(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
+        # in place on the fresh product: a prompt block's fp32 logits are its largest tensor, held once, not thrice
+        logits = softcap((qg @ k.transpose(-1, -2)).float().mul_(self.scale), self.cap).view(B, H, g, T, S)
+        probs = logits.masked_fill_(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
         out = probs.to(v.dtype).view(B, H, g * T, S) @ v  # (B, H, g*T, hd)
         return out.view(B, n_head, T, D), probs.sum(2) if scores else None
 
@@ -163,8 +163,8 @@ class KVCache:
     @staticmethod
     def _rows(cfg: Config, policy: Policy, layer: int, batch: int, length: int) -> list[int]:
         """Layer `layer`'s slots for each row: the policy's share (rows of several policies answer one per row)."""
-        caps = policy.layer_capacity(layer, cfg.n_layer, length)
-        caps = caps if isinstance(caps, list) else [caps] * batch
+        caps = policy.layer_capacity(layer, cfg.n_layer, length)  # a number, or (B,) for rows of several policies
+        caps = caps.tolist() if isinstance(caps, torch.Tensor) else [caps] * batch
         if len(caps) != batch:
             raise ValueError(f"{policy} covers {len(caps)} rows, not the batch's {batch}")
         return [min(c, cfg.window(layer) or length, length) for c in caps]

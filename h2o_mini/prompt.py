@@ -17,7 +17,6 @@ from typing import NamedTuple
 import torch
 
 from .model import softcap
-from .policies.base import keep_scores
 from .quant import cat_slots, gather_slots
 
 NEWEST = torch.iinfo(torch.int64).max  # a position later than any token: never the oldest
@@ -54,7 +53,7 @@ def stream_token(policy, score, seen, lid, logits, t, slot, ok, chunk: Chunk, st
     if state is not None:  # 0. observe
         new = policy.observe(state, query, t[:, :1], chunk.rope)
         state = new if ok is None else torch.where(ok[..., None], new, state)
-    keep = torch.minimum(keep_scores(policy, score, seen, t[:, :1], chunk.keys, chunk.values, state), chunk.largest)
+    keep = torch.minimum(policy.keep_score(score, seen, t[:, :1], chunk.keys, chunk.values, state), chunk.largest)
     # 1. evict (+inf protects, yet a slot goes); -inf + inf: a keep-score of -inf where no slot of the row is
     key = (keep + lid).nan_to_num(nan=torch.inf, posinf=torch.inf, neginf=-torch.inf)
     victim = key.min(-1, keepdim=True).indices  # (B, H, 1): the first of the lowest
@@ -242,15 +241,9 @@ def dense(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     B, H, T, D = k.shape
     C = c.pos.shape[2]
     valid = pos >= 0  # (B, T): left padding is not
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    mask = causal & valid[:, None, :]  # (B, T, T)
-    if c.window is not None:  # a sliding layer's queries see the last W positions only
-        mask = mask & ((pos[:, :, None] - pos[:, None, :]) < c.window)
-    mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)  # padding queries see themselves: no empty row
     # Only the last `prompt_window` queries (all, by default) shape the scores; rows end together at T - 1.
-    windows = policy.prompt_window  # one for all rows, or one per row (rows of several policies)
-    windows = windows if isinstance(windows, list) else [windows] * B
-    first = torch.tensor([T - min(T, w or T) for w in windows], device=q.device)  # (B,)
+    windows = policy.prompt_window  # None (all), a number, or (B,) for rows of several policies
+    first = T - torch.as_tensor(T if windows is None else windows).clamp(max=T).to(q.device).expand(B)  # (B,)
     first_scored = int(first.min())
     scored_query = valid & (torch.arange(T, device=q.device) >= first[:, None])  # (B, T)
     out = torch.empty_like(q)
@@ -264,7 +257,7 @@ def dense(c, q, k_parts, v_parts, pos) -> torch.Tensor:
         scores = policy.needs_scores and e > first_scored
         # Causal: queries s..e-1 see keys 0..e-1 only, so later keys are neither computed nor scored (their
         # scores stay as inserted: no query before a token may change its score).
-        block = mask[:, None, s:e, :e].expand(B, H, -1, -1)
+        block = _causal_block(pos, valid, s, e, c.window)[:, None].expand(B, H, -1, -1)  # (B, H, e - s, e)
         out[:, :, s:e], probs = c.attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], block, scores)
         if scores:  # queries left out of the scoring attend nothing, as far as the policy sees
             attended = block & scored_query[:, None, s:e, None]
@@ -276,7 +269,7 @@ def dense(c, q, k_parts, v_parts, pos) -> torch.Tensor:
         c.state.copy_(policy.observe_many(c.state, q.reshape(B, H, -1, T, D), pos, c.rope))
     t_last = pos.amax(-1)[:, None, None]  # (B, 1, 1): each row's last prompt position
     prompt_pos = pos[:, None, :].expand(B, H, T)
-    keep = keep_scores(policy, score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, k, v, c.state)
+    keep = policy.keep_score(score, prompt_pos.masked_fill(~valid[:, None], -1), t_last, k, v, c.state)
     keep = keep.masked_fill(~valid[:, None, :], -torch.inf)
     if c.window is not None:  # chosen among the tokens still inside the last position's window
         keep = keep.masked_fill(prompt_pos <= t_last - c.window, -torch.inf)
@@ -295,3 +288,15 @@ def dense(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     c.pos[:, :, n:] = -1
     c.score[:, :, n:] = 0.0
     return out
+
+
+def _causal_block(pos, valid, s: int, e: int, window: int | None) -> torch.Tensor:
+    """(B, e - s, e) bool: what queries s..e-1 of a dense prompt attend, made per block (never T x T): the keys at
+    or before them that are not padding, on a sliding layer only the last W positions; a padding query sees itself
+    (no empty row)."""
+    i = torch.arange(s, e, device=pos.device)[:, None]  # (e - s, 1)
+    j = torch.arange(e, device=pos.device)  # (e,)
+    mask = (j <= i) & valid[:, None, :e]
+    if window is not None:
+        mask = mask & ((pos[:, s:e, None] - pos[:, None, :e]) < window)
+    return mask | (j == i)

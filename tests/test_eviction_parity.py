@@ -9,7 +9,7 @@ import torch
 from h2o_mini.cache import KVCache
 from h2o_mini.tools.checkkit import record_kv
 from h2o_mini.generate import Decoder, left_pad
-from h2o_mini.policies import REGISTRY, Policy, make_policy
+from h2o_mini.policies import H2O, REGISTRY, Policy, make_policy
 
 from .conftest import FAMILIES, text_bytes
 from .reference import reference_logits
@@ -149,8 +149,10 @@ class _Unlisted(Policy):
     def capacity(self) -> int:
         return self.keep
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         return torch.where(pos < 2, torch.inf, score - 0.01 * (t - pos).float())  # sinks, then attention - age
+
+    update, accumulate = H2O.update, H2O.accumulate  # attention as H2O sums it
 
 
 @pytest.mark.parametrize("mode", ["step", "stream", "dense"])

@@ -29,7 +29,7 @@ class Rule(Policy):
     def capacity(self):
         return self.keep
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         {keep}
 
     def update(self, score, p, attended):

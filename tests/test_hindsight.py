@@ -100,7 +100,7 @@ class Scheduled(Policy):
         object.__setattr__(copy, "leave", self.leave)  # the schedule: per layer, (H, T)
         return copy
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         if not hasattr(self, "leave"):  # the protocol's own check when the policy is made: nothing protected
             return score
         return self.leave[self.layer][None].gather(2, pos.clamp(min=0)).float()  # (1, H, S)

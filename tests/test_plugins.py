@@ -39,7 +39,7 @@ class VNorm(Policy):
     def capacity(self):
         return self.keep + self.recent
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         # The same token twice has the same value up to the last bit (a batched matmul may round another row
         # differently), and the tie must hold on every path: so fp64, then rounded to bfloat16 (as knorm does)
         size = (values.double().norm(dim=-1) ** self.power).bfloat16().float()
@@ -75,7 +75,7 @@ class Stateful(H2O):
     name = "stateful"
     calls = [0]
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         self.calls[0] += 1
         return torch.where(pos > t - self.recent, torch.inf, score + (self.calls[0] % 3) * pos.float())
 
@@ -85,7 +85,7 @@ class AcrossRows(H2O):
     """Reads the other rows of the batch: exact alone, wrong beside other sequences."""
     name = "across_rows"
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         return torch.where(pos > t - self.recent, torch.inf, score - 0.5 * score.mean(0, keepdim=True))
 
 

@@ -11,6 +11,7 @@ from h2o_mini.cache import KVCache
 from h2o_mini import prompt
 from h2o_mini.config import Config
 from h2o_mini.policies import Policy, capacity_for, parse_budget
+from h2o_mini.policies.guard import PolicyFault, checked
 
 from .conftest import GPL3, text_bytes
 from .test_bad_input import one_line_error, run_cli
@@ -243,13 +244,18 @@ class _ProtectsAll(Policy):
     def capacity(self):
         return self.keep
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         return torch.full_like(score, torch.inf)
 
 
-def test_a_cache_whose_every_slot_is_protected_is_refused():
-    with pytest.raises(UserError, match="every one of its 3 slots is protected"):
-        _ProtectsAll(keep=3)
+def test_a_cache_whose_every_slot_is_protected_is_refused_where_it_first_evicts():
+    rule = checked(_ProtectsAll)(keep=3)  # making it runs no hook (docs/spec.md): its first eviction is checked
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 8, 4, generator=g) for n in (2, 1, 1))
+    for prefill in ("dense", "stream"):
+        layer = KVCache(CFG, rule, batch=1, length=12, prefill=prefill).layers[0]
+        with pytest.raises(PolicyFault, match="protects every one of the 3 slots of a full cache"):
+            layer.attend(q, k, v, torch.arange(8)[None])
     for name, cls in REGISTRY.items():  # every registered policy's own default split is fine at any C
         if cls.takes_budget:
             for C in (1, 2, 5, 64):

@@ -2,8 +2,10 @@
 parameter rules of a policy's fields, and the budget rules.
 
 A policy is a frozen dataclass of parameters; all state lives in the cache. The one hook every rule writes is
-`keep_score(score, pos, t, keys=None, values=None)` (a rule with running state also takes `state=`): higher
-keeps, +inf protects; the cache evicts the lowest (ties: the oldest). Every other hook has H2O's behaviour as its default. The class flags, each for one reason:
+`keep_score(score, pos, t, keys=None, values=None, state=None)`, with that one signature for every rule: higher
+keeps, +inf protects; the cache evicts the lowest (ties: the oldest). A rule that reads attention also says how
+a query's attention changes a token's score (`update`; H2O's sum is `policies/h2o.py`'s, which its relatives
+reuse). Every other hook has a default that leaves things as they are. The class flags, each for one reason:
 
 * `needs_scores`: the rule reads attention, so the cache computes fp32 probabilities and calls `update`
   (a rule that reads none keeps SDPA's fused attention and never pays for them).
@@ -14,7 +16,8 @@ keeps, +inf protects; the cache evicts the lowest (ties: the oldest). Every othe
 
 Parameters are the dataclass fields: int, float, bool or str (a file the rule reads), checked by their
 annotations when the policy is made (an int is >= 0 unless its range says otherwise; a float is finite);
-`param(default, lo=, hi=)` declares a range.
+`param(default, lo=, hi=)` declares a range. Making a policy runs none of its hooks: a plugin's hooks are checked
+where they first run (`guard.py`) and by `check-policy`.
 """
 from __future__ import annotations
 
@@ -47,6 +50,10 @@ class Policy:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         check_signature(cls)
+        if cls.needs_scores and cls.update is Policy.update:
+            raise UserError(f"{cls.__name__} reads attention (needs_scores) but writes no update(score, p, attended): "
+                            "say how a query's attention changes a score (H2O's sum: `update, accumulate = H2O.update, "
+                            "H2O.accumulate` in the class, or inherit from h2o_mini.H2O)")
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -55,19 +62,7 @@ class Policy:
                                                          getattr(self, f.name)))
         if self.capacity is not None and self.capacity < 1:
             raise UserError(f"{self}: the capacity C must be at least one token")
-        if self.capacity is not None and self._all_protected(self.capacity):
-            raise UserError(f"{self}: every one of its {self.capacity} slots is protected when the first token "
-                            "must be evicted, so the arriving token cannot be placed; give it a smaller protected "
-                            "share (e.g. --recent) or a larger --budget")
         self.__dict__.pop("_checked_keep_score", None)  # a checked plugin (guard.py): its first real call is checked too
-
-    def _all_protected(self, C: int) -> bool:
-        """Whether keep_score protects every slot of a full cache (positions 0..C-1) when token C arrives."""
-        cpu = torch.device("cpu")  # explicit: a test may have set another default device
-        pos = torch.arange(C, device=cpu)[None, None]  # (1, 1, C)
-        kv = torch.randn(1, 1, C, 8, generator=torch.Generator().manual_seed(0), device=cpu)
-        keep = self.keep_score(torch.zeros(1, 1, C, device=cpu), pos, torch.tensor(C, device=cpu), kv, kv)
-        return bool((keep == torch.inf).all())
 
     @property
     def capacity(self) -> int | None:
@@ -91,17 +86,18 @@ class Policy:
         """Dense prefill: how many of the last prompt queries shape the scores (None: all of them)."""
         return None
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor,
-                   keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys: torch.Tensor | None = None,
+                   values: torch.Tensor | None = None, state: torch.Tensor | None = None) -> torch.Tensor:
         """score, pos: (B, H, S) the slots' fp32 scores and original positions (< 0: no token there); t: the
-        arriving position, broadcastable to them; keys, values: (B, H, S, hd) as attention reads them. Returns
-        (B, H, S): higher keeps, +inf protects. Pure tensor code (it runs inside the compiled step)."""
+        arriving position, broadcastable to them; keys, values: (B, H, S, hd) as attention reads them; state:
+        the rule's own (B, H, g, n), None for a rule that keeps none (`state_size`). Returns (B, H, S): higher
+        keeps, +inf protects. Pure tensor code (it runs inside the compiled step)."""
         raise NotImplementedError
 
     def state_size(self, head_dim: int) -> int:
         """How many fp32 numbers the rule keeps per (row, query head) beside the tokens' scores, held by the cache
         as `state` (B, H, g, n): running statistics of the queries (Expected Attention's mean and covariance).
-        0 (the default): no state, `observe` never runs and `keep_score` gets none."""
+        0 (the default): no state, `observe` never runs and `keep_score` gets None."""
         return 0
 
     def observe(self, state: torch.Tensor, queries: torch.Tensor, t: torch.Tensor, rope) -> torch.Tensor:
@@ -122,15 +118,14 @@ class Policy:
         return keys.new_zeros(keys.shape[:-1], dtype=torch.float32)
 
     def update(self, score: torch.Tensor, p: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """One query: H2O's rule, its attention is added (p is 0 where it did not attend)."""
-        return score + p
+        """One query, for a rule that reads attention (`needs_scores`): score (B, H, S); p (B, H, S) its attention,
+        summed over the GQA group (0 where it did not attend); attended: the slots it attended. The new scores."""
+        raise NotImplementedError
 
     def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Q queries in order, (B, H, Q, S): `update` once per query that attended something (a query that does
-        not count, such as padding or one before SnapKV's window, leaves the scores alone); H2O's sum in one
-        op when `update` is H2O's."""
-        if type(self).update is Policy.update:
-            return score + probs.sum(2)
+        not count, such as padding or one before SnapKV's window, leaves the scores alone). A rule may write a
+        closed form (H2O: one sum)."""
         for i in range(probs.shape[2]):
             counts = attended[:, :, i].any(-1, keepdim=True)  # (B, H, 1)
             score = torch.where(counts, self.update(score, probs[:, :, i], attended[:, :, i]), score)
@@ -142,19 +137,24 @@ class Policy:
 
     @classmethod
     def from_budget(cls, capacity: int, recent: int | None) -> "Policy":
-        """The policy for a cache of `capacity` tokens (`recent` is only meaningful for windowed policies)."""
-        raise NotImplementedError
+        """The policy for a cache of `capacity` tokens. The default fits a simple rule: its one required field
+        (`keep`, say) is C; or, beside a required `recent`, the other one is C - recent, recent being half of C
+        (rounded up) unless --recent gives it. Any other rule writes its own."""
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        if not required:  # a rule with no size (full)
+            return cls()
+        if len(required) == 1:
+            return cls(**{required[0]: capacity})
+        if len(required) == 2 and "recent" in required:
+            recent = capacity - capacity // 2 if recent is None else recent
+            other = required[1 - required.index("recent")]
+            return cls(**{other: capacity - recent, "recent": recent})
+        raise NotImplementedError(f"{cls.__name__} has no from_budget: its required fields {required} are not one "
+                                  "size, nor a size and `recent`")
 
     def params(self) -> dict:
         """Every parameter by name: what JSON outputs and sweep rows record."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def keep_scores(policy, score, pos, t, keys, values, state=None) -> torch.Tensor:
-    """`policy.keep_score`, given the rule's `state` only when it keeps one (a rule without state never sees it)."""
-    if state is None:
-        return policy.keep_score(score, pos, t, keys, values)
-    return policy.keep_score(score, pos, t, keys, values, state=state)
 
 
 def keeps_all_of(policy: Policy, length: int) -> bool:
@@ -164,11 +164,12 @@ def keeps_all_of(policy: Policy, length: int) -> bool:
 
 
 def check_signature(cls: type) -> None:
-    """A rule written for the old protocol (keep_score without `values`) gets one line saying what changed."""
+    """A rule written for an older protocol (keep_score without `values` or `state`) gets one line saying what changed."""
     params = inspect.signature(cls.keep_score).parameters
-    if "values" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        raise UserError(f"{cls.__name__}.keep_score must take (self, score, pos, t, keys=None, values=None): every "
-                        "rule now gets the cached keys and values (the needs_keys / needs_values flags are gone)")
+    if not {"values", "state"} <= set(params) and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise UserError(f"{cls.__name__}.keep_score must take (self, score, pos, t, keys=None, values=None, "
+                        "state=None): every rule gets the cached keys and values, and its own state (None for a "
+                        "rule without one), in one signature")
 
 
 def refuse_lookahead(policy: Policy) -> None:

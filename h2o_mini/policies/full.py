@@ -20,10 +20,5 @@ class Full(Policy):
     def capacity(self) -> None:
         return None
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return pos.float()
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "Full":
-        return cls()

@@ -4,10 +4,11 @@ A plugin's hooks run deep inside the cache's paths. A hook that raises, returns 
 a tensor of another shape or dtype than the protocol's, NaN where a keep-score or a score is expected, or that
 changes its input tensors in place, would otherwise end in a traceback from the cache or, worse, in evictions
 that silently differ. `checked(cls)` gives a plugin class a subclass whose hooks check their first call on each
-policy object (the inputs cloned and compared afterwards, the answer's type, shape, dtype and NaNs) and then run
-straight through, so the compiled decode step pays nothing (a first call inside a compiled graph is not checked
-there: the eager prefill and `Policy.__post_init__`'s own keep-score call come first). A fault is a
-`PolicyFault`: one line naming the policy, the hook and what was wrong.
+policy object (the inputs cloned and compared afterwards, the answer's type, shape, dtype and NaNs; for a
+keep-score, that a full cache leaves some slot unprotected) and then run straight through, so the compiled decode
+step pays nothing (a first call inside a compiled graph is not checked there: the eager prompt path comes first,
+and `check-policy` runs every hook eagerly). A fault is a `PolicyFault`: one line naming the policy, the hook and
+what was wrong.
 """
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def check_call(policy, hook: str, fn, args, kwargs=None):
         what = ("a keep-score must be a number (+inf protects a token)" if hook == "keep_score"
                 else "a score must be a number")
         raise PolicyFault(f"{who}: {hook} returned NaN for {int(nan.sum())} of {nan.numel()} entries: {what}")
+    if hook == "keep_score" and policy.capacity is not None:  # a full cache must have a slot to give up
+        live = args[1] >= 0
+        full = live.sum(-1) >= policy.capacity
+        if bool((full & ((out == torch.inf) | ~live).all(-1)).any()):
+            raise PolicyFault(f"{who}: keep_score protects every one of the {policy.capacity} slots of a full cache, "
+                              "so the arriving token cannot be placed (+inf protects: leave some slot a number)")
     return out
 
 
@@ -75,7 +82,7 @@ def _guarded(hook: str, base):
         out = check_call(self, hook, lambda *a, **k: base(self, *a, **k), args, kwargs)
         object.__setattr__(self, "_checked_" + hook, True)
         return out
-    hook_fn.__name__ = hook
+    hook_fn.__name__, hook_fn.__wrapped__ = hook, base
     return hook_fn
 
 
@@ -85,7 +92,7 @@ def checked(cls):
     if "_h2o_mini_checked" in cls.__dict__:  # once per class: the same subclass every time it is named
         return cls.__dict__["_h2o_mini_checked"]
     # only the hooks the plugin writes (or inherits from a class other than the protocol's): the defaults are
-    # known to keep the protocol, and an untouched `update` keeps H2O's closed-form `accumulate`
+    # known to keep the protocol
     body = {hook: _guarded(hook, getattr(cls, hook)) for hook in HOOKS
             if getattr(cls, hook) is not getattr(Policy, hook)}
     body["__qualname__"] = cls.__qualname__

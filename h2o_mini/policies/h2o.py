@@ -37,12 +37,24 @@ class H2O(Policy):
     def capacity(self) -> int:
         return self.heavy + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         recent_window = pos > t - self.recent  # the r-1 newest cached tokens (t itself is not cached yet)
         return torch.where(recent_window, torch.inf, score)
 
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "H2O":
-        recent = capacity - capacity // 2 if recent is None else recent
-        return cls(heavy=capacity - recent, recent=recent)
+    def update(self, score: torch.Tensor, p: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Step 1 of the rule above: a query's attention (summed over its GQA group) is added to every score."""
+        return score + p
+
+    def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Q queries at once, (B, H, Q, S): their sum, in one op (a relative that changes `update`, as A2SF's
+        forgetting factor does, takes the protocol's query-by-query form)."""
+        if not adds_attention(self):
+            return Policy.accumulate(self, score, probs, attended)
+        return score + probs.sum(2)  # a query that attended nothing has probability 0 everywhere
+
+
+def adds_attention(policy) -> bool:
+    """Whether a rule's `update` is H2O's sum (as written here, checked or not: `guard.py` wraps a plugin's hooks),
+    so that Q queries are one sum."""
+    update = type(policy).update
+    return getattr(update, "__wrapped__", update) is H2O.update

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Policy
+from .h2o import H2O
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,7 @@ class HeavyHitter(Policy):
     def capacity(self) -> int:
         return self.heavy
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return score
 
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "HeavyHitter":
-        return cls(heavy=capacity)
+    update, accumulate = H2O.update, H2O.accumulate  # H2O's scores (policies/h2o.py)

@@ -30,13 +30,8 @@ class KeyDiff(Policy):
     def capacity(self) -> int:
         return self.keep
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         unit = F.normalize(keys.float(), dim=-1)  # (B, H, S, hd)
         cached = (pos >= 0)[..., None]  # (B, H, S, 1)
         anchor = (unit * cached).sum(2, keepdim=True) / cached.sum(2, keepdim=True).clamp(min=1)  # (B, H, 1, hd)
         return -(unit * F.normalize(anchor, dim=-1)).sum(-1)  # minus the cosine: similar keys go first
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "KeyDiff":
-        return cls(keep=capacity)

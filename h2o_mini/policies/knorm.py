@@ -34,10 +34,5 @@ class KNorm(Policy):
         # rotates them) up to rounding, and must tie, so that the older goes first on every code path
         return -keys.double().norm(dim=-1).bfloat16().float()  # (B, H, T); fp64: no path rounds across a bf16 step
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return score
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "KNorm":
-        return cls(keep=capacity)

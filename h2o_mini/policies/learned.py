@@ -28,6 +28,7 @@ import torch
 from ..errors import UserError
 from .base import Policy, param
 from .expected_attention import ExpectedAttention
+from .h2o import H2O
 
 FEATURES = ("log_attention", "log_mean_attention", "log_age", "inverse_age", "log_key_norm", "log_value_norm",
             "log_expected", "query_logit")
@@ -105,12 +106,14 @@ class Learned(Policy):
     def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         table = self._table[0] if self._table is not None else torch.zeros(1, len(FEATURES))
         weights = table[max(self.layer, 0)].to(keys.device)  # (8,)
-        if state is None:  # no query yet (the policy's own checks)
+        if state is None:  # a caller that holds no state for it (a test of the features alone)
             state = keys.new_zeros(*keys.shape[:2], 1, self.state_size(keys.shape[-1]), dtype=torch.float32)
         d = keys.shape[-1]
         expected = self._expected.expected(pos, keys, state[..., :-d])
         keep = features(score, pos, t, keys, values, expected, state[..., -d:]) @ weights  # (B, H, S)
         return keep.masked_fill((pos >= 0) & ((pos < self.sink) | (pos > t - self.recent)), torch.inf)
+
+    update, accumulate = H2O.update, H2O.accumulate  # attention received, a feature: H2O's sum (policies/h2o.py)
 
     @classmethod
     def from_budget(cls, capacity: int, recent: int | None) -> "Learned":

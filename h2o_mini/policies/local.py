@@ -23,10 +23,5 @@ class Local(Policy):
     def capacity(self) -> int:
         return self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return pos.float()  # the lowest position, i.e. the oldest token, goes first
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "Local":
-        return cls(recent=capacity)

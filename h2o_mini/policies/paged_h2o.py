@@ -30,8 +30,7 @@ class PagedH2O(H2O):
     block: int = param(16, lo=1)
     name = "paged_h2o"
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         page = torch.where(pos >= 0, torch.div(pos, self.block, rounding_mode="floor"), -1)  # (B, H, S)
         order = page.argsort(dim=-1, stable=True)
         sorted_page = page.gather(-1, order)

@@ -33,8 +33,7 @@ class RKV(H2O):
     lam: float = param(0.5, lo=0.0, hi=1.0)
     name = "rkv"
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         cached = pos >= 0  # (B, H, S)
         n = cached.sum(-1, keepdim=True).float()  # (B, H, 1)
         unit = F.normalize(keys.float(), dim=-1) * cached[..., None]  # (B, H, S, hd), 0 where not cached

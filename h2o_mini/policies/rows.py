@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy, keep_scores
+from .base import Policy
+from .h2o import adds_attention
 
 
 class Rows:
     """`parts`: (policy, number of rows) in batch order. Stands where the cache expects a `Policy`: the hooks
-    the cache reads per row (`layer_capacity`, `prompt_window`) answer with one value per row."""
+    the cache reads per row (`layer_capacity`, `prompt_window`) answer as a policy does, a tensor of one value
+    per row where a policy's is a number."""
 
     def __init__(self, parts: list[tuple[Policy, int]]):
         if not parts or any(n < 1 for _, n in parts):
@@ -36,7 +38,7 @@ class Rows:
         for flag in ("needs_scores", "lookahead"):
             setattr(self, flag, any(getattr(p, flag) for p in policies))
         # the rules whose `update` is H2O's sum (most of them): one addition for all their rows at every token
-        self._summed = [p.needs_scores and type(p).update is Policy.update for p in policies]
+        self._summed = [p.needs_scores and adds_attention(p) for p in policies]
 
     def __repr__(self) -> str:
         return f"Rows({', '.join(f'{p} x{n}' for p, n in self.parts)})"
@@ -47,9 +49,10 @@ class Rows:
         caps = [p.capacity for p in self.policies]
         return None if None in caps else max(caps)
 
-    def layer_capacity(self, layer: int, n_layer: int, length: int) -> list[int]:
-        """Slots each row holds in `layer` (its policy's `layer_capacity`), in batch order."""
-        return [c for p, n in self.parts for c in [p.layer_capacity(layer, n_layer, length)] * n]
+    def layer_capacity(self, layer: int, n_layer: int, length: int) -> torch.Tensor:
+        """(B,) int64: the slots each row holds in `layer` (its policy's `layer_capacity`), in batch order."""
+        return torch.tensor([p.layer_capacity(layer, n_layer, length) for p, n in self.parts]).repeat_interleave(
+            torch.tensor(self.sizes))
 
     def for_model(self, cfg) -> "Rows":
         return Rows([(p.for_model(cfg), n) for p, n in self.parts])
@@ -65,7 +68,7 @@ class Rows:
 
     def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         hd = keys.shape[-1]  # each rule's state is the first `state_size` numbers of the widest
-        return torch.cat([keep_scores(policy, s, p, tt, k, v, None if n == 0 else st[..., :n])
+        return torch.cat([policy.keep_score(s, p, tt, k, v, None if n == 0 else st[..., :n])
                           for policy, (s, p, tt, k, v, st) in self._split(score, pos, t, keys, values, state)
                           for n in [policy.state_size(hd)]])
 
@@ -109,9 +112,11 @@ class Rows:
                           for policy, (s, p, a) in self._split(score, probs, attended)])
 
     @property
-    def prompt_window(self) -> list[int | None]:
-        """Dense prefill: each row's `prompt_window` (the cache scores each row's own last queries)."""
-        return [p.prompt_window for p, n in self.parts for _ in range(n)]
+    def prompt_window(self) -> torch.Tensor:
+        """(B,) int64, dense prefill: each row's `prompt_window`, a policy's None (all queries) as the largest int."""
+        every = torch.iinfo(torch.int64).max
+        return torch.tensor([every if p.prompt_window is None else p.prompt_window for p in self.policies]
+                            ).repeat_interleave(torch.tensor(self.sizes))
 
     def prompt_score(self, score: torch.Tensor) -> torch.Tensor:
         return torch.cat([policy.prompt_score(s) for policy, (s,) in self._split(score)])

@@ -57,8 +57,7 @@ class Scissorhands(Policy):
     def capacity(self) -> int:
         return self.heavy + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         important = popcount(score.to(torch.int32))  # set bits of the history window (all it holds)
         return torch.where(pos > t - self.recent, torch.inf, important.float())
 
@@ -80,8 +79,3 @@ class Scissorhands(Policy):
         total = counts.sum(-1, keepdim=True).clamp(max=w)  # (B, H, 1)
         shifted = torch.remainder(score * 2.0 ** total, 2.0 ** w)  # exact: powers of two, below 2^24
         return shifted + (important.float() * weight[..., None]).sum(2)
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "Scissorhands":
-        recent = capacity - capacity // 2 if recent is None else recent
-        return cls(heavy=capacity - recent, recent=recent)

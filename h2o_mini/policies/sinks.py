@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Policy
+from ..errors import UserError
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,17 @@ class Sinks(Policy):
     name = "sinks"
     takes_recent = True
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.recent < 1:  # the arriving token would find every slot a sink
+            raise UserError(f"{self}: every one of its {self.capacity} slots is protected when the first token must "
+                            "be evicted, so the arriving token cannot be placed; give it a recent share (--recent)")
+
     @property
     def capacity(self) -> int:
         return self.sink + self.recent
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return torch.where(pos < self.sink, torch.inf, pos.float())
 
     @classmethod

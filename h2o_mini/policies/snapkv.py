@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Policy
+from .h2o import H2O
 from ..errors import UserError
 
 
@@ -47,9 +48,10 @@ class SnapKV(Policy):
     def prompt_window(self) -> int:
         return max(self.window, 1)
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return torch.where(pos > t - self.window, torch.inf, score)
+
+    update, accumulate = H2O.update, H2O.accumulate  # H2O's scores (policies/h2o.py), over the window's queries
 
     def prompt_score(self, score: torch.Tensor) -> torch.Tensor:
         B, H, T = score.shape  # max-pool over neighbouring positions, the same length out

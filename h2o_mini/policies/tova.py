@@ -30,8 +30,7 @@ class TOVA(Policy):
     def capacity(self) -> int:
         return self.keep
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         return score
 
     def update(self, score: torch.Tensor, p: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -39,7 +38,3 @@ class TOVA(Policy):
 
     def accumulate(self, score: torch.Tensor, probs: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return probs[:, :, -1]  # the closed form of `update` over Q queries: the last one's attention
-
-    @classmethod
-    def from_budget(cls, capacity: int, recent: int | None) -> "TOVA":
-        return cls(keep=capacity)

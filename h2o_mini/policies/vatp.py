@@ -27,7 +27,6 @@ class VATP(H2O):
 
     name = "vatp"
 
-    def keep_score(self, score: torch.Tensor, pos: torch.Tensor, t: torch.Tensor, keys=None,
-                   values=None) -> torch.Tensor:
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None) -> torch.Tensor:
         importance = score * values.float().abs().sum(-1)  # (B, H, S)
         return torch.where(pos > t - self.recent, torch.inf, importance)

@@ -69,6 +69,17 @@ def reset_peak(device: torch.device) -> bool:
         return False
 
 
+def read_resident(device: torch.device) -> int | None:
+    """Bytes held now: the allocator's on CUDA, the resident set on CPU (what a peak starts from)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return None
+
+
 def read_peak(device: torch.device, was_reset: bool) -> int | None:
     """Bytes at the peak since `reset_peak`."""
     if not was_reset:
@@ -101,6 +112,7 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
         decoder.step(model, scratch, token, step_pos + i)
     del scratch
     was_reset = reset_peak(device)
+    before = read_resident(device)  # the weights, the libraries, the interpreter: what the run starts from
     _sync(device)
     t0 = time.perf_counter()
     status["stage"] = f"prefilling {prompt_tokens} tokens x {batch} rows"
@@ -128,7 +140,8 @@ def bench_one(model, decoder: Decoder, policy_name: str, budget, prompts: list[l
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prefill": prefill, "same_prompt": same_prompt,
             "prefill_s": round(t1 - t0, 4), "decode_s": round(t2 - t1, 4),
             "decode_tok_s": rate(batch * (new_tokens - 1), t2 - t1), **kv_bytes(model, cache.nbytes),
-            "kv_bits": cache.kv_bits, "peak_mem_bytes": read_peak(device, was_reset), "compiled": decoder.compiled,
+            "kv_bits": cache.kv_bits, "peak_mem_bytes": read_peak(device, was_reset),
+            "base_mem_bytes": before if was_reset else None, "compiled": decoder.compiled,
             "device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
 
 
@@ -275,6 +288,8 @@ def _median(runs: list[dict], cap: int | None, vs_hf: bool = False) -> dict:
         row["vs_hf"] = round(row["decode_tok_s"] / row["hf_decode_tok_s"], 3) if both else None
     peaks = [x["peak_mem_bytes"] for x in runs]
     row["peak_mem_bytes"] = max(peaks) if all(p is not None for p in peaks) else None
+    if row["peak_mem_bytes"] is not None:  # what that peak started from (weights, libraries): the rest is the run's
+        row["base_mem_bytes"] = runs[peaks.index(row["peak_mem_bytes"])].get("base_mem_bytes")
     if cap is not None:
         row["kv_memory_cap"] = cap
     return row

@@ -14,7 +14,6 @@ import torch
 from ..config import Config, layer_inv_freq
 from ..model import Rope, softcap
 from ..policies import Policy
-from ..policies.base import keep_scores
 from ..quant import codec
 
 
@@ -53,7 +52,7 @@ class NaiveCache:
                                              torch.tensor(t).view(1, 1, 1), self.ropes[layer])
         if int(cached[0].sum()) == self.caps[layer]:  # 1. evict exactly one (every head holds the same count)
             seen = st["P"].expand_as(cached).masked_fill(~cached, -1)[None]  # (1, H, n): not cached is < 0
-            keep = keep_scores(policy, score[None], seen, torch.tensor(t), st["K"][None], st["V"][None],
+            keep = policy.keep_score(score[None], seen, torch.tensor(t), st["K"][None], st["V"][None],
                                self.own[layer])[0]
             if W:  # a dead token goes before any live one, the oldest first
                 keep = keep.masked_fill(st["P"] <= t - W, -torch.inf)
@@ -108,7 +107,7 @@ class NaiveCache:
             self.own[layer] = policy.observe(self.own[layer], q[0, :, i].reshape(1, H, g, -1),
                                              torch.tensor(i).view(1, 1, 1), self.ropes[layer])
         P = torch.arange(T)
-        keep = keep_scores(policy, score[None], P.expand(H, T)[None], torch.tensor(T - 1), k[None], v[None],
+        keep = policy.keep_score(score[None], P.expand(H, T)[None], torch.tensor(T - 1), k[None], v[None],
                            self.own[layer])[0]
         if W:  # chosen among the tokens still inside the last position's window
             keep = keep.masked_fill(P <= T - 1 - W, -torch.inf)

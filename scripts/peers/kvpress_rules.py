@@ -35,7 +35,7 @@ class SharedTOVA(TOVA):
     def accumulate(self, score, probs, attended):
         return probs[:, :, -1].sum(1, keepdim=True).expand_as(score)
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         return torch.where(pos == t, torch.inf, score)
 
 

@@ -21,7 +21,7 @@ class VNorm(Policy):
     def capacity(self):
         return self.keep + self.recent
 
-    def keep_score(self, score, pos, t, keys=None, values=None):
+    def keep_score(self, score, pos, t, keys=None, values=None, state=None):
         recent = pos > t - self.recent - 1
         return torch.where(recent, torch.inf, values.norm(dim=-1) ** self.power)
 

@@ -146,6 +146,9 @@ def causal_attention(q, k, v, pos, window: int | None = None, scale: float | Non
     return logits.masked_fill(~mask, -torch.inf).softmax(-1).to(v.dtype) @ v
 
 
+MLP_BLOCK = 2**21  # hidden-layer values per block of tokens (8 MB in fp32)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: Config, shard: Shard | None = None):
         super().__init__()
@@ -157,11 +160,17 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias) if cfg.gated_mlp else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A long prompt's hidden layer (tokens x d_ff, several copies) would be the largest transient of a
+        # prefill, above the KV cache eviction saves: take the tokens a block at a time (one block in decode).
+        rows = x.flatten(0, -2)  # (B * T, d)
+        step = max(1, MLP_BLOCK // self.w_up.out_features)
+        out = torch.cat([self._hidden(rows[s:s + step]) for s in range(0, rows.shape[0], step)])
+        return all_reduce(out.view(*x.shape[:-1], -1), self.shard)
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # SwiGLU (Shazeer, 2020)
-            h = self.act(self.w_gate(x)) * self.w_up(x)
-        else:
-            h = self.act(self.w_up(x))
-        return all_reduce(self.w_down(h), self.shard)
+            return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_up(x)))
 
 
 class Block(nn.Module):

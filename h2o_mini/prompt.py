@@ -248,9 +248,9 @@ def dense(c, q, k_parts, v_parts, pos) -> torch.Tensor:
     scored_query = valid & (torch.arange(T, device=q.device) >= first[:, None])  # (B, T)
     out = torch.empty_like(q)
     score = policy.insert_score(k)  # (B, H, T)
-    # Query blocks bound the memory of a block's fp32 probabilities: 16 MiB on CPU, where smaller blocks are
+    # Query blocks bound the memory of a block's fp32 probabilities: 8 MiB on CPU, where smaller blocks are
     # faster too; 256 MiB on a GPU, where each block is a few kernel launches.
-    budget = 2**22 if q.device.type == "cpu" else 2**26  # fp32 values
+    budget = 2**21 if q.device.type == "cpu" else 2**26  # fp32 values
     rows = max(1, min(c.dense_block, budget // (B * q.shape[1] * T)))
     for s in range(0, T, rows):
         e = min(T, s + rows)

@@ -20,6 +20,22 @@ def test_logits_match_transformers(tiny, tiny_model, name):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "opt_pre_ln_proj", "neox_sequential"])
+def test_a_prompt_through_the_mlp_a_block_of_tokens_at_a_time_equals_transformers(tiny, tiny_model, monkeypatch,
+                                                                                  name):
+    """A long prompt takes the MLP in blocks of tokens (`MLP_BLOCK` hidden values); here 7 tokens a block,
+    so a 2 x 40 batch is 12 blocks, some across the rows' boundary."""
+    import h2o_mini.model
+    _, hf = tiny(name)
+    model = tiny_model(name)
+    monkeypatch.setattr(h2o_mini.model, "MLP_BLOCK", 7 * model.layers[0].mlp.w_up.out_features)
+    ids = torch.tensor([text_bytes(40, 0), text_bytes(40, 700)])
+    got = model(ids, torch.arange(40).expand(2, 40))
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "opt_pre_ln_proj", "neox_sequential"])
 def test_left_padded_batch_matches_transformers(tiny, tiny_model, name):
     """Padding (negative positions) is never attended: each row equals transformers on that row alone."""
     _, hf = tiny(name)

@@ -14,6 +14,12 @@ VOCAB = 256
 TEST_DEVICE = os.environ.get("H2O_MINI_TEST_DEVICE", "cpu")
 if TEST_DEVICE != "cpu":  # (a default-device mode costs every op a little, so only when asked)
     torch.set_default_device(TEST_DEVICE)
+# Under pytest-xdist (the README's `-n 2`) the workers share the cores: each takes its share of the threads, and
+# so do the commands the tests start, instead of every process spinning one thread per core.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
 def text_bytes(n: int, offset: int = 0) -> list[int]:

@@ -5,7 +5,7 @@ from .api import generate, load, stream
 from .config import Config
 from .errors import UserError
 from .evals.ppl import perplexities, perplexity
-from .tools.record import Recording, record
+from .views.record import Recording, record
 from .policies import (A2SF, H2O, REGISTRY, RKV, TOVA, VATP, Full, HeavyHitter, KeyDiff, KNorm, Local, PagedH2O, Policy,
                        PyramidKV, Scissorhands, Sinks, SnapKV, make_policy, param)
 

@@ -1,6 +1,6 @@
 """A KV cache that really holds C tokens per (layer, batch row, KV head): the slots, and the rule over them.
 
-The contract is `docs/spec.md`. Read this file after the naive reference (`tools/naive.py`) and the policy
+The contract is `docs/spec.md`. Read this file after the naive reference (`checks/naive.py`) and the policy
 (`policies/h2o.py`): `evict` is the rule's one choice and `LayerCache.step` takes one token per row through
 steps 1-4 of the spec (evict, insert, attend, update) with static shapes, so that generate.py can compile it
 (`prompt.stream_token` is the same four steps over a prompt chunk's slots).
@@ -14,6 +14,8 @@ the path the cache was built with (`prompt.py`: `stream`, the same rule token by
 spec's dense prompt mode, for a first prompt).
 """
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,21 +36,39 @@ def evict(keep: torch.Tensor, pos: torch.Tensor, room: torch.Tensor) -> torch.Te
     return torch.where(lowest, pos, prompt.NEWEST).argmin(-1, keepdim=True)  # the oldest of the lowest
 
 
+class Slots(NamedTuple):
+    """A layer's slots as a prompt path reads them (`prompt.py`); `LayerCache.store` writes them back."""
+    k: tuple  # the codec's parts of (B, H, C, ...): keys after RoPE, as stored
+    v: tuple
+    pos: torch.Tensor  # (B, H, C) int64: each slot's original position, -1 = no token
+    score: torch.Tensor  # (B, H, C) fp32: the policy's score per token
+    room: torch.Tensor  # (B, 1, C) bool: the slots each row has (its first room[b])
+    window: int | None  # a sliding layer's W: positions p <= t - W are dead (evicted first, never attended)
+
+
+class Setup(NamedTuple):
+    """What every layer of one cache shares (`KVCache` makes one)."""
+    dtype: torch.dtype
+    device: torch.device
+    prefill: str = "dense"  # the prompt path: "dense" (a first prompt) or "stream"
+    kv_bits: int | None = None  # None, 8 or 4 (`quant.py`)
+    token_fn: Callable | None = None  # the stream loop's body (`prompt.stream_token`, or a compiled one)
+
+
 class LayerCache:
     """One layer's slots: (B, n_kv_head, C), C the widest row's; row b has the first `room[b]` of them."""
 
     dense_block = 128  # dense prompts attend in blocks of this many queries (tests set smaller ones)
 
-    def __init__(self, cfg: Config, policy: Policy, rows: list[int], window: int | None, dtype, device,
-                 prefill: str = "dense", kv_bits: int | None = None, token_fn=None, rope: Rope | None = None):
-        """rows: each row's slots; window: a sliding layer's W (positions p <= t - W are dead: evicted first,
-        never attended); prefill: the prompt path ("dense" or "stream"); token_fn: the stream loop's body;
-        rope: the layer's rotary embedding, for a rule that observes queries (`Policy.observe`)."""
-        self.policy, self.window, self.prefill = policy, window, prefill
-        self.token_fn = token_fn or prompt.stream_token
+    def __init__(self, cfg: Config, layer: int, policy: Policy, rows: list[int], setup: Setup):
+        """rows: each row's slots. The layer's window (a sliding layer's W) and rotary embedding (for a rule that
+        observes queries, `Policy.observe`) come from `cfg`."""
+        device = setup.device
+        self.policy, self.window, self.prefill = policy, cfg.window(layer), setup.prefill
+        self.token_fn = setup.token_fn or prompt.stream_token
         self.rows, self.capacity = rows, max(rows)
         self.scale, self.cap = cfg.attn_scale, cfg.attn_softcap  # logits: cap * tanh(scale * q.k / cap) (Gemma 2)
-        self.codec = codec(kv_bits, cfg.head_dim, dtype)
+        self.codec = codec(setup.kv_bits, cfg.head_dim, setup.dtype)
         shape = (len(rows), cfg.n_kv_head, max(rows))
         self.k = self.codec.empty(*shape, cfg.head_dim, device)  # parts of (B, H, C, ...): keys after RoPE
         self.v = self.codec.empty(*shape, cfg.head_dim, device)
@@ -57,8 +77,23 @@ class LayerCache:
         own = torch.tensor(rows, device=device)[:, None, None]  # (B, 1, 1)
         self.room = torch.arange(max(rows), device=device) < own  # (B, 1, C): the slots each row has
         n = policy.state_size(cfg.head_dim)  # a rule's own running numbers per query head (docs/spec.md)
-        self.rope, self.state = rope, (torch.zeros(*shape[:2], cfg.group, n, device=device) if n else None)
+        self.state = torch.zeros(*shape[:2], cfg.group, n, device=device) if n else None
+        inv_freq = layer_inv_freq(cfg, layer)
+        self.rope = None if inv_freq is None else Rope(inv_freq.to(device))
         self.fresh = True  # nothing read yet: a dense prompt may come
+
+    def slots(self) -> Slots:
+        return Slots(self.k, self.v, self.pos, self.score, self.room, self.window)
+
+    def store(self, k: tuple, v: tuple, pos: torch.Tensor, score: torch.Tensor) -> None:
+        """A prompt path's survivors into the first n slots, in place, the rest emptied: k, v the codec's parts of
+        (B, H, n, ...) as stored; pos (B, H, n), -1 = no token; score (B, H, n) fp32."""
+        n = pos.shape[2]
+        for stored, new in ((self.k, k), (self.v, v)):
+            for part, kept in zip(stored, new):
+                part[:, :, :n] = kept
+        self.pos[:, :, :n], self.score[:, :, :n] = pos, score
+        self.pos[:, :, n:], self.score[:, :, n:] = -1, 0.0
 
     def tensors(self) -> tuple[torch.Tensor, ...]:  # what the slots hold: K and V as stored, positions, scores
         return (*self.k, *self.v, self.pos, self.score)
@@ -124,15 +159,21 @@ class LayerCache:
         B, n_head, T, D = q.shape
         H, S = k.shape[1], k.shape[2]
         g = n_head // H
-        qg = q.reshape(B, H, g * T, D)  # the query heads of a group side by side: K and V are never copied
         if not scores and self.cap is None:  # SDPA cannot soft-cap: capped logits take the explicit path
+            qg = q.reshape(B, H, g * T, D)  # the query heads of a group side by side: K and V are never copied
             mask = mask[:, :, None].expand(B, H, g, T, S).reshape(B, H, g * T, S)
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale).view(B, n_head, T, D), None
-        # in place on the fresh product: a prompt block's fp32 logits are its largest tensor, held once, not thrice
-        logits = softcap((qg @ k.transpose(-1, -2)).float().mul_(self.scale), self.cap).view(B, H, g, T, S)
-        probs = logits.masked_fill_(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
+        probs = self.logits(q, k).masked_fill_(~mask[:, :, None], -torch.inf).softmax(-1)  # fp32
         out = probs.to(v.dtype).view(B, H, g * T, S) @ v  # (B, H, g*T, hd)
         return out.view(B, n_head, T, D), probs.sum(2) if scores else None
+
+    def logits(self, q, k) -> torch.Tensor:
+        """q: (B, n_head, T, hd); k: (B, H, S, hd). -> (B, H, g, T, S) fp32, soft-capped (Gemma 2)."""
+        B, n_head, T, D = q.shape
+        H, S = k.shape[1], k.shape[2]
+        qg = q.reshape(B, H, n_head // H * T, D)  # the query heads of a group side by side: K is never copied
+        # in place on the fresh product: a prompt block's fp32 logits are its largest tensor, held once, not thrice
+        return softcap((qg @ k.transpose(-1, -2)).float().mul_(self.scale), self.cap).view(B, H, n_head // H, T, S)
 
 
 class KVCache:
@@ -152,12 +193,9 @@ class KVCache:
         self.evicts = any(min(r) < length for r in rows)  # else nothing ever leaves: full's logits
         self.prefill = prefill if self.evicts else "dense"
         # compiled: one graph for the loop body, dynamic in the rows (a wavefront's width varies, `wavefront.py`)
-        token_fn = prompt.stream_token
-        token_fn = torch.compile(token_fn, fullgraph=True, dynamic=None) if compile else token_fn
-        ropes = [layer_inv_freq(cfg, i) for i in range(cfg.n_layer)]
-        self.layers = [LayerCache(cfg, policy.for_layer(i, cfg.n_layer), r, cfg.window(i), dtype, device,
-                                  self.prefill, kv_bits, token_fn, None if f is None else Rope(f.to(device)))
-                       for i, (r, f) in enumerate(zip(rows, ropes))]
+        token_fn = torch.compile(prompt.stream_token, fullgraph=True, dynamic=None) if compile else None
+        setup = Setup(dtype, device, self.prefill, kv_bits, token_fn)
+        self.layers = [LayerCache(cfg, i, policy.for_layer(i, cfg.n_layer), r, setup) for i, r in enumerate(rows)]
         self.kv_bits = self.layers[0].codec.bits
 
     @staticmethod

@@ -51,7 +51,7 @@ def evicting_cache(model: PreTrainedModel, policy: "str | Policy" = "h2o", budge
     """A cache that runs `policy` (a `--policy` text: "h2o", "h2o:recent=16", "file.py:Class", "learned:weights=F";
     or a `Policy`) at `budget` (a fraction of `length`, or a token count) inside `model`. length: the longest row,
     prompt and new tokens (needed for a fractional budget and for `full`; else the model's positions). prefill:
-    "dense" or "stream" (docs/spec.md). naive: the naive reference instead (`tools/naive.py`: one row, every key
+    "dense" or "stream" (docs/spec.md). naive: the naive reference instead (`checks/naive.py`: one row, every key
     kept, eviction as a mask; prompts dense or one token at a time): what the fast cache is checked against."""
     cfg = model_config(model)
     if isinstance(policy, Policy):
@@ -164,7 +164,7 @@ class EvictingCache(Cache):
                 for layer in self.inner.layers:
                     layer.scale, layer.cap = cfg.attn_scale, softcap
         elif self.naive:
-            from .tools.naive import NaiveCache  # evaluation code, here only for the reference
+            from .checks.naive import NaiveCache  # evaluation code, here only for the reference
             if B != 1:
                 raise UserError("the naive reference reads one row")
             self.inner = NaiveCache(cfg, self.policy, self.length, self.kv_bits)

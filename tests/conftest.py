@@ -144,13 +144,17 @@ def build_hf(name: str, folder: Path):
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """name -> (folder, hf_model), built once per session."""
+    """name -> (folder, hf_model), built once per session; handed out with eager attention, as built (a test of the
+    evicting cache switches it, and the tests after it in the same process must not depend on their order)."""
     cache = {}
 
     def get(name: str):
         if name not in cache:
             folder = tmp_path_factory.mktemp(name)
             cache[name] = (folder, build_hf(name, folder))
+        hf = cache[name][1]
+        if hf.config._attn_implementation != "eager":
+            hf.set_attn_implementation("eager")
         return cache[name]
     return get
 

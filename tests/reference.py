@@ -2,7 +2,7 @@
 value is kept, and the policy is applied as a mask, one token at a time, in plain Python loops. It shares no
 eviction code with `h2o_mini.cache` or the policy classes: each built-in rule is written out again here from its
 documented statement (only the parameters are read off the policy object). A policy not written out here (a
-plugin) is checked by `h2o_mini.tools.naive.NaiveCache`, which drives the policy's own hooks one token at a time
+plugin) is checked by `h2o_mini.checks.naive.NaiveCache`, which drives the policy's own hooks one token at a time
 (what `h2o-mini check-policy` runs). Single row only (rows never influence each other; batched paths are
 compared per row). With `kv_bits`, every key and value is rounded through the documented quantizer as it enters
 (written out again here too).
@@ -317,7 +317,7 @@ def reference_logits(model, ids: list[int], policy: Policy, length: int | None =
     """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time,
     in a cache sized for `length` tokens (default: the ids). given_kv: see `ReferenceCache`."""
     if policy.name not in KNOWN:  # a plugin: its own hooks, one token at a time
-        from h2o_mini.tools.naive import naive_logits as by_hooks
+        from h2o_mini.checks.naive import naive_logits as by_hooks
         return by_hooks(model, ids, policy, length, dense_prompt, kv_bits, given_kv)
     cache = ReferenceCache(model.cfg, policy, length or len(ids), kv_bits, given_kv)
     x = torch.tensor([ids])

@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from h2o_mini import H2O, UserError, api, cli, perplexity
-from h2o_mini.tools.benchmark import rate
+from h2o_mini.evals.bench import rate
 from h2o_mini.files import write_atomic
 from h2o_mini.generate import Sampling
 from h2o_mini.weights import prepared
@@ -265,7 +265,7 @@ def test_chat_template_from_a_jinja_file_is_used_by_default(folder, tmp_path):
 # ---- Ctrl-C: what was finished is printed, then exit 130 ----
 
 def test_ctrl_c_in_bench_prints_the_finished_rows(folder, capsys, monkeypatch):
-    from h2o_mini.tools import benchmark as bench
+    from h2o_mini.evals import bench
     real, calls = bench.bench_one, []
 
     def interrupted_second(*a, **kw):

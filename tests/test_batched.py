@@ -11,7 +11,7 @@ from h2o_mini.cache import KVCache
 from h2o_mini.evals.ppl import full_logprobs, score_many, score_text
 from h2o_mini.policies import LOOKAHEAD, REGISTRY, H2O, Local, make_policy
 from h2o_mini.policies.rows import Rows
-from h2o_mini.tools.record import record, record_many
+from h2o_mini.views.record import record, record_many
 
 from .conftest import FAMILIES, GPL3, text_bytes
 from .test_plugins import VNORM

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from h2o_mini import api, errors
-from h2o_mini.tools import benchmark as bench
+from h2o_mini.evals import bench
 
 from .test_bad_input import run_cli
 from .test_cli import assert_one_line_error, run
@@ -144,7 +144,7 @@ def test_the_sweep_cost_split_attributes_every_part(folder):
 
 
 def test_ctrl_c_in_bench_before_any_row_says_how_far_it_got(folder, capsys, monkeypatch):
-    from h2o_mini.tools import benchmark as bench
+    from h2o_mini.evals import bench
 
     def interrupted(*a, status=None, **kw):
         status["stage"] = "decode step 3 of 7"
@@ -157,7 +157,7 @@ def test_ctrl_c_in_bench_before_any_row_says_how_far_it_got(folder, capsys, monk
 
 
 def test_out_of_memory_is_one_line_naming_the_size_and_what_to_lower(folder, capsys, monkeypatch):
-    from h2o_mini.tools import benchmark as bench
+    from h2o_mini.evals import bench
     try:
         torch.empty(2**62, dtype=torch.uint8)  # past any address space: torch's own allocator error
         pytest.skip("this machine allocated 4 EiB")

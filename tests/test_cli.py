@@ -146,7 +146,7 @@ def test_kept_matrix_matches_the_cache(tiny_model):
     """The picture's data, recorded in one pass for both panels: local keeps exactly the last C positions at
     every step, with another policy of a larger C in the same batch."""
     from h2o_mini.api import LM
-    from h2o_mini.tools.plot import kept_matrices
+    from h2o_mini.views.plot import kept_matrices
     from h2o_mini.policies import H2O, Local
     from .conftest import text_bytes
     lm = LM(tiny_model("llama_gqa_tied"), None, None)

@@ -46,3 +46,26 @@ def test_the_learner_paths_line_count_is_true():
     section = text[text.index("## Read the algorithm"):]
     files = re.findall(r"^\d\. \[`([^`]+)`\]", section, re.M)[:3]
     assert len(files) == 3 and claimed == sum(len((ROOT / f).read_text().splitlines()) for f in files), files
+
+
+CORE = ["config.py", "config_readers.py", "model.py", "cache.py", "prompt.py", "wavefront.py", "quant.py",
+        "generate.py", "parallel.py", "tokenizer.py", "files.py", "errors.py", "weights", "policies"]
+BESIDE = {"checks", "views", "evals", "cli", "transformers_cache", "transformers_engine"}
+
+
+def test_the_core_imports_nothing_from_beside_it():
+    """The README's layout: the core (the files and folders of CORE) imports nothing from checks/, views/,
+    evals/, cli/ or the transformers extra, at the top of a module or inside a function."""
+    import ast
+    package = ROOT / "h2o_mini"
+    files = [p for name in CORE for p in ([package / name] if name.endswith(".py") else (package / name).rglob("*.py"))]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                parts = set(name.replace("h2o_mini.", "").split("."))
+                if parts & BESIDE:
+                    found.append(f"{path.relative_to(ROOT)}: {name}")
+    assert len(files) > 20 and not found, found

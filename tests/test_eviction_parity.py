@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h2o_mini.cache import KVCache
-from h2o_mini.tools.checkkit import record_kv
+from h2o_mini.checks.checkkit import record_kv
 from h2o_mini.generate import Decoder, left_pad
 from h2o_mini.policies import H2O, REGISTRY, Policy, make_policy
 

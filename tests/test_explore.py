@@ -14,7 +14,7 @@ import torch
 from h2o_mini import api
 from h2o_mini.cache import KVCache
 from h2o_mini.policies import make_policy
-from h2o_mini.tools.record import record
+from h2o_mini.views.record import record
 
 from .conftest import GPL3
 

@@ -15,7 +15,7 @@ from h2o_mini.evals.learn import fit, save_rule
 from h2o_mini.policies import Policy, make_policy
 from h2o_mini.policies.guard import checked
 from h2o_mini.policies.learned import FEATURES
-from h2o_mini.tools import checkkit
+from h2o_mini.checks import checkkit
 
 from .conftest import GPL3
 

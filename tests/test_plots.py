@@ -2,7 +2,7 @@
 
 
 def test_log_axes_read_as_plain_numbers():
-    from h2o_mini.tools.plot import figure, plain_log_axis
+    from h2o_mini.views.plot import figure, plain_log_axis
     plt, fig, (ax,) = figure(1, (4, 3))
     ax.plot([0.05, 0.1, 0.2], [21.0, 35.0, 48.0])
     ax.set_xscale("log")
@@ -17,7 +17,7 @@ def test_log_axes_read_as_plain_numbers():
 
 
 def test_the_needle_colour_bar_labels_fit_in_the_picture(tmp_path):
-    from h2o_mini.tools.plot import heatmap_figure
+    from h2o_mini.views.plot import heatmap_figure
     plt, fig = heatmap_figure({"h2o 0.2 (dense)": {(0.1, 1024): 1.0, (0.9, 1024): 0.0}}, "a title")
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from h2o_mini.tools.checkkit import check_accumulate, steps, fast_logits
-from h2o_mini.tools.naive import naive_logits as by_hooks
+from h2o_mini.checks.checkkit import check_accumulate, steps, fast_logits
+from h2o_mini.checks.naive import naive_logits as by_hooks
 from h2o_mini.policies import REGISTRY, make_policy, resolve
 
 from .conftest import GPL3, text_bytes
@@ -273,7 +273,7 @@ def test_a_per_layer_rule_runs_its_own_parameters_in_each_layer(tiny_model):
     """`for_layer`: each layer's cache runs the policy the hook returns (here a wider window in layer 0)."""
     from dataclasses import dataclass, replace
     from h2o_mini.cache import KVCache
-    from h2o_mini.tools.naive import naive_logits as hooks
+    from h2o_mini.checks.naive import naive_logits as hooks
     from h2o_mini.policies.h2o import H2O
 
     @dataclass(frozen=True)

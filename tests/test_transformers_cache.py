@@ -90,7 +90,7 @@ def test_generate_with_left_padding_gives_h2o_minis_tokens(tiny, tiny_model, fam
 @pytest.mark.parametrize("family", ["olmo2", "starcoder2_window"])
 @pytest.mark.parametrize("name", ["h2o", "tova", "local"])
 def test_a_family_h2o_mini_lacks_runs_exactly_inside_transformers(outside, family, name):
-    """The fast cache against the naive reference (`tools/naive.py`), both through the model's own attention."""
+    """The fast cache against the naive reference (`checks/naive.py`), both through the model's own attention."""
     hf, policy = outside(family), _policy(name)
     want = _inside(hf, policy, DECODE, "stream", naive=True)[0]  # one token at a time
     for plan in (DECODE, PLANS["stream"]):

@@ -16,8 +16,8 @@ from .. import api, parallel
 from ..errors import UserError, out_of_memory
 from ..files import read_prompts, read_text
 from ..generate import Sampling
-from ..tools.plot import kept_matrices, save_kept_plot
-from ..tools.benchmark import DEFAULT_TEXT
+from ..views.plot import kept_matrices, save_kept_plot
+from ..evals.bench import DEFAULT_TEXT
 from ..policies import BUDGET_HELP, FITTED, LOOKAHEAD, REGISTRY, budget_if_taken, describe, recent_if_taken, resolve
 from ..policies.plugins import PluginError, installed
 from ..weights.prepared import MODELS

@@ -1,4 +1,4 @@
-"""`h2o-mini bench`: parse, call `h2o_mini.tools.benchmark.run_bench`, print each configuration's row as it finishes,
+"""`h2o-mini bench`: parse, call `h2o_mini.evals.bench.run_bench`, print each configuration's row as it finishes,
 optionally draw the curves (`--plot`)."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from .. import api, parallel
-from ..tools.benchmark import DEFAULT_TEXT, run_bench, table_header, table_row, unfinished_rows
+from ..evals.bench import DEFAULT_TEXT, run_bench, table_header, table_row, unfinished_rows
 from ..errors import note
 from ..files import check_output, read_text, write_atomic
-from ..tools.plot import save_bench_plot
+from ..views.plot import save_bench_plot
 from ..policies import BUDGET_HELP
 from .options import (COUNT, POLICY_HELP, RECENT_HELP, Budget, PolicyType, check_image, check_installed, engine_option,
                       kv_bits_option, model_options)

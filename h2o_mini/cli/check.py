@@ -40,7 +40,7 @@ def check_policy(spec, budget, recent, families, transformers, as_json):
     protocol (it raises, returns NaN, a wrong shape or dtype, or changes its inputs: docs/spec.md, "Faults").
     Where transformers is installed, the same rule also runs inside transformers' own tiny LLaMA and Gemma 3 models
     through h2o_mini.transformers_cache (decode, stream and dense paths) against the same reference."""
-    from ..tools.checkkit import FAMILIES, TOL, check_policy as run_checks
+    from ..checks.checkkit import FAMILIES, TOL, check_policy as run_checks
     installed = importlib.util.find_spec("transformers") is not None
     if transformers and not installed:
         raise UserError("--transformers needs transformers (pip install 'h2o-mini[hf]')")

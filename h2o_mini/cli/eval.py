@@ -9,7 +9,7 @@ import click
 
 from .. import api, parallel
 from ..evals.ppl import perplexity
-from ..tools.benchmark import DEFAULT_TEXT
+from ..evals.bench import DEFAULT_TEXT
 from ..errors import UserError
 from ..files import check_output, read_text, write_atomic
 from ..policies import BUDGET_HELP, recent_if_taken, resolve
@@ -237,7 +237,7 @@ def needle_table(cells: list[dict]) -> str:
 
 
 def save_needle_plot(cells: list[dict], out, title: str) -> None:
-    from ..tools.plot import save_heatmaps
+    from ..views.plot import save_heatmaps
     panels: dict[str, dict] = {}
     for c in cells:
         label = f"{c['policy']}{' ' + c['budget'] if c['budget'] else ''} ({c['prefill']})"

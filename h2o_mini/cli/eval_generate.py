@@ -14,7 +14,7 @@ from ..generate import Sampling
 from ..policies import recent_if_taken, resolve
 from ..policies.guard import PolicyFault
 from ..policies.base import refuse_lookahead
-from ..tools.plot import save_generation_plot
+from ..views.plot import save_generation_plot
 from .eval import repeatable_policies
 from .options import COUNT, model_options, sampling_options
 from .eval_sweep import _sweep, check_plot, load_for_points, settings

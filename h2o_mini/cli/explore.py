@@ -8,7 +8,7 @@ import torch
 from tqdm import tqdm
 
 from .. import api
-from ..tools.benchmark import DEFAULT_TEXT
+from ..evals.bench import DEFAULT_TEXT
 from ..errors import UserError, note
 from ..files import check_output, read_text, write_atomic
 from ..policies import BUDGET_HELP, budget_if_taken, recent_if_taken
@@ -42,8 +42,8 @@ def explore(prompt, model, dtype, device, policies, budget, recent, text_path, t
     """Read a text through the real cache under each policy and write one self-contained HTML page (no
     network; opens from file://): the text as its tokens, a step slider, layer and KV-head pickers, two
     policies side by side with their differences marked, and the numbers of the run (C, KV bytes, NLL)."""
-    from ..tools.explorer import page_data, render
-    from ..tools.record import record_many
+    from ..views.explorer import page_data, render
+    from ..views.record import record_many
     check_output(out, (".html", ".htm"))
     if prompt is not None and text_path is not None:
         raise UserError("give a PROMPT or --text, not both")

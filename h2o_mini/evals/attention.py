@@ -34,7 +34,7 @@ def top_share(received: torch.Tensor, share: float = 0.2) -> float:
 
 
 def save_attention_plot(curves: dict[int, torch.Tensor], out, title: str) -> None:
-    from ..tools.plot import figure, save
+    from ..views.plot import figure, save
     plt, fig, ax = figure(1, (6, 4.6))
     ax = ax[0]
     for layer, received in curves.items():

@@ -236,7 +236,7 @@ def table(kind: str, results: dict[tuple, list[dict]]) -> str:
 
 
 def save_sweep_plot(kind: str, results: dict[tuple, list[dict]], out, title: str) -> None:
-    from ..tools.plot import figure, line_style, plain_log_axis, save
+    from ..views.plot import figure, line_style, plain_log_axis, save
     name = METRICS[kind][0]
     plt, fig, axes = figure(1, (6.4, 4.6))
     ax = axes[0]

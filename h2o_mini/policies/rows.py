@@ -43,6 +43,18 @@ class Rows:
     def __repr__(self) -> str:
         return f"Rows({', '.join(f'{p} x{n}' for p, n in self.parts)})"
 
+    @classmethod
+    def interleaved(cls, policies: list, batch: int):
+        """The policy of P caches' rows stacked as row b*P + p (`prompt.stream_many`), each cache's a policy or
+        `Rows` of `batch` rows: equal neighbours share one part, so a rule's hooks run once for all its rows."""
+        each = [[q for q, n in p.parts for _ in range(n)] if isinstance(p, Rows) else [p] * batch for p in policies]
+        parts: list[list] = []
+        for q in (each[p][b] for b in range(batch) for p in range(len(policies))):
+            if parts and parts[-1][0] == q:
+                parts[-1][1] += 1
+            else:
+                parts.append([q, 1])
+        return parts[0][0] if len(parts) == 1 else cls([tuple(x) for x in parts])
 
     @property
     def capacity(self) -> int | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_mini.tools.benchmark import bench_one
+from h2o_mini.evals.bench import bench_one
 from h2o_mini.config_readers import read_config
 from h2o_mini.files import write_atomic
 from h2o_mini.generate import Decoder

@@ -50,7 +50,7 @@ def page_data(model_name: str, source: str, tokens: list[str], recordings: dict[
 
 def render(data: dict) -> str:
     """The page: the template with the data inlined (`</` escaped so the text cannot end the script)."""
-    template = files("h2o_mini.tools").joinpath("explore.html").read_text(encoding="utf-8")
+    template = files("h2o_mini.views").joinpath("explore.html").read_text(encoding="utf-8")
     payload = json.dumps(data, allow_nan=False).replace("</", "<\\/")
     title = html.escape(f"{data['model']}: what {', '.join(p['label'] for p in data['policies'])} keep")
     return template.replace("__TITLE__", title).replace("__DATA__", payload)

@@ -127,10 +127,10 @@ def test_the_gpu_script_fails_loudly(tmp_path):
 
 
 def test_the_sweep_cost_split_attributes_every_part(folder):
-    """scripts/sweep_cost.py (docs/benchmarks.md): the parts are timed where they run, nested timers subtracted,
-    so a hook counted twice or a part counted outside its parent shows as a negative part; each rule's hooks are
-    named, and the sweep's numbers are its ordinary ones."""
-    script = Path(__file__).resolve().parent.parent / "scripts/sweep_cost.py"
+    """scripts/benchmarks/sweep_cost.py (docs/benchmarks.md): the parts are timed where they run, nested timers
+    subtracted, so a hook counted twice or a part counted outside its parent shows as a negative part; each rule's
+    hooks are named, and the sweep's numbers are its ordinary ones."""
+    script = Path(__file__).resolve().parent.parent / "scripts/benchmarks/sweep_cost.py"
     r = subprocess.run([sys.executable, str(script), "--model", str(folder), "--tokens", "48", "--chunk", "16",
                         "--policy", "h2o", "--policy", "expected_attention", "--json"], capture_output=True, text=True,
                        timeout=300)

@@ -69,3 +69,27 @@ def test_the_core_imports_nothing_from_beside_it():
                 if parts & BESIDE:
                     found.append(f"{path.relative_to(ROOT)}: {name}")
     assert len(files) > 20 and not found, found
+
+
+def test_every_file_the_docs_name_under_scripts_or_results_is_there():
+    """A path `scripts/...` or `results/...` with a file's suffix, named in the README, docs/, scripts/ or the
+    package's docstrings, is a file of the repository (results/ and scripts/ are in folders by subject: a
+    reader following a citation finds the file). Paths built from a variable (`$out/...`) are not citations."""
+    pattern = re.compile(r"(?<![\w/.$-])((?:scripts|results)/[\w./-]+\.(?:jsonl|png|md|txt|safetensors|py|sh))")
+    sources = [README, *(ROOT / "docs").rglob("*.md"), *(ROOT / "scripts").rglob("*.*"),
+               *(ROOT / "results").glob("*.md"), *(ROOT / "h2o_mini").rglob("*.py")]
+    named = {(m, s.relative_to(ROOT)) for s in sources if s.suffix in {".md", ".py", ".sh"}
+             for m in pattern.findall(s.read_text())}
+    missing = sorted(f"{source}: {path}" for path, source in named if not (ROOT / path).is_file())
+    assert len(named) > 50 and not missing, missing
+
+
+@pytest.mark.parametrize("folder", ["scripts", "results"])
+def test_every_subject_folder_has_its_line_in_the_folders_readme(folder):
+    """scripts/ and results/ hold folders by subject, no loose files but their README, and the README gives each
+    folder a line of its own."""
+    readme = (ROOT / folder / "README.md").read_text()
+    loose = [p.name for p in (ROOT / folder).iterdir() if p.is_file() and p.name != "README.md"]
+    unnamed = [p.name for p in (ROOT / folder).iterdir()
+               if p.is_dir() and not p.name.startswith(("_", ".")) and f"- `{p.name}/`" not in readme]
+    assert not loose and not unnamed, (loose, unnamed)

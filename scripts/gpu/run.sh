@@ -7,8 +7,8 @@
 #   (c) OPT-6.7B-shaped random weights, 2048 + 2048 tokens: full vs h2o 0.2 latency at one batch and
 #       throughput at the largest batch each fits (scripts/gpu/opt_random.py);
 #   (d) many policies as the rows of one batch against one after another, reading and writing
-#       (scripts/batched_cost.py);
-#   (e) the per-token eviction loop on CUDA (scripts/loop_ops.py): kernel launches per token and layer of the
+#       (scripts/benchmarks/batched_cost.py);
+#   (e) the per-token eviction loop on CUDA (scripts/benchmarks/loop_ops.py): kernel launches per token and layer of the
 #       stream loop, and the time of reading 2048 tokens split into forward, eviction and scoring, for h2o and
 #       scissorhands (the costliest registered policy), eager and with the loop body compiled (--compile:
 #       torch.compile fuses each token's body into a few kernels; the body has static shapes within a chunk,
@@ -55,10 +55,10 @@ fi
 # (d)
 cost=(--device cuda)
 if [ $dry = 1 ]; then cost=(--model "${MODEL:-default}" --device cpu --tokens 8 --new-tokens 2); fi
-"$py" scripts/batched_cost.py "${cost[@]}" > "$out/batched_cost.txt"
+"$py" scripts/benchmarks/batched_cost.py "${cost[@]}" > "$out/batched_cost.txt"
 # (e)
 loop=(--device cuda --tokens 2048)
 if [ $dry = 1 ]; then loop=(--model "${MODEL:-default}" --device cpu --tokens 64 --chunk 16); fi
-"$py" scripts/loop_ops.py "${loop[@]}" h2o scissorhands > "$out/loop_ops.jsonl"
-if [ $dry = 0 ]; then "$py" scripts/loop_ops.py "${loop[@]}" --compile h2o scissorhands >> "$out/loop_ops.jsonl"; fi
+"$py" scripts/benchmarks/loop_ops.py "${loop[@]}" h2o scissorhands > "$out/loop_ops.jsonl"
+if [ $dry = 0 ]; then "$py" scripts/benchmarks/loop_ops.py "${loop[@]}" --compile h2o scissorhands >> "$out/loop_ops.jsonl"; fi
 echo "wrote $out"

@@ -6,7 +6,7 @@ the prompt with each press at compression ratios 0.5 and 0.8; h2o-mini keeps the
 the matching policy and settings in a dense prefill. Compared per layer and KV head: the positions kept (the
 share in common, and how many (layer, head) sets are equal), and the next token's logits after the prefill,
 each computed the way kvpress runs them (the prompt attends causally, the new token attends the kept tokens
-and itself). Run by `scripts/peers/run_kvpress.sh`, which writes results/kvpress_results.md.
+and itself). Run by `scripts/peers/run_kvpress.sh`, which writes results/peers/kvpress_results.md.
 
     python scripts/peers/kvpress_check.py KVPRESS_PYTHON WORK_DIR
 """

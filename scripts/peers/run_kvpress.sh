@@ -2,7 +2,7 @@
 # The kvpress peer check (docs/policies.md, "Checked against kvpress"): builds kvpress 0.5.5 a venv of its own
 # (it needs transformers < 5.3; h2o-mini's tests use a newer one), then compares every shared press with
 # h2o-mini's dense prefill on the default model and a tiny Qwen3. About 5 minutes on 2 cores, once the venv
-# exists. Writes results/kvpress_results.md. Not part of the test suite (building the venv is slow).
+# exists. Writes results/peers/kvpress_results.md. Not part of the test suite (building the venv is slow).
 #   bash scripts/peers/run_kvpress.sh [VENV_DIR] [WORK_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -13,7 +13,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install --quiet torch==2.13.0   # the CPU wheel where it is on disk; any torch elsewhere
   "$venv/bin/pip" install --quiet kvpress==0.5.5
 fi
-out=results/kvpress_results.md
+out=results/peers/kvpress_results.md
 {
   echo "# h2o-mini beside kvpress $("$venv/bin/python" -c 'import kvpress, importlib.metadata as m; print(m.version("kvpress"))') (transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)'))"
   echo

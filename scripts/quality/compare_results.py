@@ -1,7 +1,7 @@
 """Compares a rerun of a sweep with the committed rows: the same (policy, parameters, budget) point, its NLL, KL to
 full and top-1 agreement. Prints one line per point and the largest differences.
 
-    python scripts/compare_results.py results/leaderboard_GPL-3.jsonl rerun.jsonl
+    python scripts/quality/compare_results.py results/quality/leaderboard_GPL-3.jsonl rerun.jsonl
 """
 import json
 import sys

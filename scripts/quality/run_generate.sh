@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # docs/results.md section 11: what eviction does to long generations (h2o-mini eval generate), the built-in
 # long-output prompts, every registered policy at 64 / 128 / 256 tokens and 0.1 / 0.2 of prompt + N.
-#   scripts/run_generate.sh [OUT] [MODELS] [N...]     default: results, "default gemma3-270m", 512 1024
+#   scripts/quality/run_generate.sh [OUT] [MODELS] [N...]     default: results/generation, "default gemma3-270m", 512 1024
 # Every point is one row per prompt; the points run as the rows of batched passes (32 rows at a time). Resumable:
 # each point is appended to its .jsonl as it finishes, and a rerun skips the points already there.
-#   python results_tables.py results generate     prints the tables
+#   python scripts/quality/results_tables.py results generate     prints the tables
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/generation}
 models=${2:-"default gemma3-270m"}
 shift $(( $# < 2 ? $# : 2 ))
 lengths=${*:-"512 1024"}

@@ -2,10 +2,10 @@
 # docs/results.md section 11, sampled texts: eval generate with --temperature 1 (the model's own distribution;
 # greedy texts of these small models loop), the draws coupled by --seed 0 so that full and every policy share
 # them; every registered policy at 128 and 256 tokens, N = 512, on the built-in prompts.
-#   scripts/run_generate_sampled.sh [OUT] [MODELS]     default: results, "gemma3-270m default"
-# Resumable like scripts/run_generate.sh; tables: python results_tables.py results generate
+#   scripts/quality/run_generate_sampled.sh [OUT] [MODELS]     default: results/generation, "gemma3-270m default"
+# Resumable like scripts/quality/run_generate.sh; tables: python scripts/quality/results_tables.py results generate
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/generation}
 models=${2:-"gemma3-270m default"}
 mkdir -p "$out"
 policies=$(python3 -c "from h2o_mini.policies import REGISTRY; print(' '.join('--policy ' + n for n in REGISTRY))")

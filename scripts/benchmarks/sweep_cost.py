@@ -16,7 +16,7 @@ the wall of the command `h2o-mini eval ppl --policy full` (loading the model inc
 is 0.75x of the latter. The sweep's own time here is its batched pass (`score_many`), without the command's
 loading and full's reference pass.
 
-    python scripts/sweep_cost.py [--tokens 2048] [--model M] [--chunk 128] [--json]
+    python scripts/benchmarks/sweep_cost.py [--tokens 2048] [--model M] [--chunk 128] [--json]
         [--policy NAME ...]    these only (default: every registered policy that evicts)
         [--skip NAME ...]      or every one but these
 """

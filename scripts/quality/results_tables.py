@@ -1,12 +1,12 @@
-"""Prints the markdown tables of docs/results.md from the JSON lines scripts/run_results.sh writes.
+"""Prints the markdown tables of docs/results.md from the JSON lines scripts/quality/run_results.sh writes.
 
-    python results_tables.py [results]              # scripts/run_results.sh
-    python results_tables.py results leaderboard  # scripts/run_leaderboard.sh
-    python results_tables.py results workbench    # scripts/run_workbench.sh
-    python results_tables.py results models       # scripts/run_two_models.sh
-    python results_tables.py results hindsight    # scripts/run_hindsight.sh
-    python results_tables.py results generate     # scripts/run_generate.sh
-    python results_tables.py results lookahead    # scripts/run_lookahead.sh
+    python scripts/quality/results_tables.py [results]              # scripts/quality/run_results.sh
+    python scripts/quality/results_tables.py results leaderboard  # scripts/quality/run_leaderboard.sh
+    python scripts/quality/results_tables.py results workbench    # scripts/quality/run_workbench.sh
+    python scripts/quality/results_tables.py results models       # scripts/quality/run_two_models.sh
+    python scripts/quality/results_tables.py results hindsight    # scripts/quality/run_hindsight.sh
+    python scripts/quality/results_tables.py results generate     # scripts/quality/run_generate.sh
+    python scripts/quality/results_tables.py results lookahead    # scripts/quality/run_lookahead.sh
 """
 import json
 import sys
@@ -16,12 +16,13 @@ out = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
 
 
 def rows(name):
-    path = out / name
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The JSON lines of the file `name` anywhere under `out` (results/ keeps them in folders by subject)."""
+    path = next(out.rglob(name), None)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path else []
 
 
 def leaderboard():
-    """The policy leaderboard and the quantization table (scripts/run_leaderboard.sh)."""
+    """The policy leaderboard and the quantization table (scripts/quality/run_leaderboard.sh)."""
     for text in ("GPL-3", "GFDL-1.3"):
         board = rows(f"leaderboard_{text}.jsonl")
         if not board:
@@ -61,7 +62,7 @@ def leaderboard():
 
 
 def workbench():
-    """The new policies of scripts/run_workbench.sh beside h2o, with the share of h2o's gap to full they close."""
+    """The new policies of scripts/quality/run_workbench.sh beside h2o, with the share of h2o's gap to full they close."""
     for text in ("GPL-3", "GFDL-1.3"):
         board = rows(f"workbench_{text}.jsonl")
         if not board:
@@ -88,7 +89,7 @@ MODELS = {"default": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
 
 
 def models():
-    """SmolLM2 against Gemma 3 (scripts/run_two_models.sh): every policy's ppl and KV bytes, the needle, the bench."""
+    """SmolLM2 against Gemma 3 (scripts/quality/run_two_models.sh): every policy's ppl and KV bytes, the needle, the bench."""
     for text in ("GPL-3", "GFDL-1.3"):
         boards = {m: rows(f"models_{m}_{text}.jsonl") for m in MODELS}
         if not any(boards.values()):
@@ -131,7 +132,7 @@ def models():
 
 def hindsight():
     """Every policy of sections 5 and 8 against h2o, full and hindsight at the same budget, and Gemma 3 270M's
-    runs (scripts/run_hindsight.sh)."""
+    runs (scripts/quality/run_hindsight.sh)."""
     for text in ("GPL-3", "GFDL-1.3"):
         shares(f"{text}, 2048 tokens", ("0.05", "0.1", "0.2"),
                (f"leaderboard_{text}.jsonl", f"workbench_{text}.jsonl", f"hindsight_{text}.jsonl"))
@@ -139,7 +140,7 @@ def hindsight():
 
 
 def lookahead():
-    """Section 12 (scripts/run_lookahead.sh): the look-ahead rules against h2o and hindsight on two texts and two
+    """Section 12 (scripts/quality/run_lookahead.sh): the look-ahead rules against h2o and hindsight on two texts and two
     models, then their sampled generations beside section 11's rows of the same model."""
     for tag, label in (("", "SmolLM2-135M"), ("gemma3-270m_", "Gemma 3 270M")):
         for text in ("GPL-3", "GFDL-1.3"):
@@ -185,10 +186,10 @@ def shares(title, budgets, files):
 
 
 def generate():
-    """eval generate on both models (scripts/run_generate.sh): per policy and budget, the tokens written before the
+    """eval generate on both models (scripts/quality/run_generate.sh): per policy and budget, the tokens written before the
     first divergence from full's text and the NLL of full's text read back; then each ranking beside the
     perplexity leaderboard's (section 9's sweep of the same model on GPL-3, 4096 tokens). Greedy texts
-    (scripts/run_generate.sh), then sampled ones (scripts/run_generate_sampled.sh)."""
+    (scripts/quality/run_generate.sh), then sampled ones (scripts/quality/run_generate_sampled.sh)."""
     for model, label in (("default", "SmolLM2-135M"), ("gemma3-270m", "Gemma 3 270M")):
         for kind, n in (("greedy", 512), ("greedy", 1024), ("sampled", 512)):
             board = rows(f"generate_{model}_{n}.jsonl" if kind == "greedy" else f"generate_sampled_{model}_{n}.jsonl")
@@ -296,7 +297,7 @@ print("|---|---|---|---|---|")
 for r in rows("attention.jsonl"):
     print(f"| {r['layer']} | {r['tokens']} | {r['top20_share']:.3f} | {r['max']:.1f} | {r['median']:.2f} |")
 
-for prefill in ("dense", "stream", "snapkv"):  # needle_snapkv: scripts/run_leaderboard.sh (dense)
+for prefill in ("dense", "stream", "snapkv"):  # needle_snapkv: scripts/quality/run_leaderboard.sh (dense)
     cells = rows(f"needle_{prefill}.jsonl")
     if not cells:
         continue

@@ -5,7 +5,7 @@ a decode step does the same work whatever the values (static shapes). Also measu
 the weights alone (every linear layer and the vocabulary projection applied to `batch` vectors: what any
 implementation must stream each step), the step with one cached token (`local`, C = 1: everything but the
 KV cache) and, from it, the step h2o would take if its cache cost exactly its share C / L of full's. Prints one line per case; `--compiled` adds the per-block compiled step.
-Run: python scripts/step_cost.py [--compiled]
+Run: python scripts/benchmarks/step_cost.py [--compiled]
 """
 import sys
 import time

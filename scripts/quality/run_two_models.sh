@@ -3,10 +3,10 @@
 # Gemma 3 270M (15 sliding-window layers of 512 + 3 global), CPU, fp32. Sweeps append each finished point to
 # their .jsonl and skip the points already there: an interrupted run picks up where it stopped. About 2.5 hours
 # on 2 cores run one after another (the sessions that made results ran the two models side by side, one
-# thread each: `OMP_NUM_THREADS=1 scripts/run_two_models.sh results default &` and the same for gemma3-270m).
-#   python results_tables.py results models     prints the tables
+# thread each: `OMP_NUM_THREADS=1 scripts/quality/run_two_models.sh results default &` and the same for gemma3-270m).
+#   python scripts/quality/results_tables.py results models     prints the tables
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/models}
 models=${2:-"default gemma3-270m"}
 mkdir -p "$out"
 lic=/usr/share/common-licenses

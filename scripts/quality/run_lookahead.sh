@@ -3,11 +3,11 @@
 # h2o, a2sf, vatp, tova and the hindsight ceiling, at 0.05 / 0.1 / 0.2 of 2048 tokens of two texts that neither
 # rule was tuned or fitted on (GPL-3, GFDL-1.3), on SmolLM2-135M and Gemma 3 270M; then long sampled generations.
 # The rules are fitted on Apache-2.0 (a committed file is reused, not refitted). About 2.5 hours on 2 cores.
-#   scripts/run_lookahead.sh [OUT]     default: results
+#   scripts/quality/run_lookahead.sh [OUT]     default: results/lookahead
 # Resumable: every sweep appends each finished point to its .jsonl and a rerun skips the points already there.
-#   python scripts/results_tables.py results lookahead     prints the tables
+#   python scripts/quality/results_tables.py results lookahead     prints the tables
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/lookahead}
 mkdir -p "$out"
 lic=/usr/share/common-licenses
 others="--policy h2o --policy a2sf --policy vatp --policy tova --policy expected_attention"
@@ -26,7 +26,7 @@ for model in default gemma3-270m; do
   done
 done
 # Sampled generations (section 11's measure). Section 11 has every registered policy's rows for both models
-# (scripts/run_generate_sampled.sh); these runs add the two new rules, and full, which must equal section 11's.
+# (scripts/quality/run_generate_sampled.sh); these runs add the two new rules, and full, which must equal section 11's.
 for model in default gemma3-270m; do
   name=$([ $model = default ] && echo smollm2 || echo $model)
   suffix=$([ $model = default ] && echo default || echo $model)

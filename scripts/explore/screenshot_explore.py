@@ -1,7 +1,7 @@
 """The README's screenshot of `h2o-mini explore`: a page opened in headless Chromium at one layer and step.
 
     h2o-mini explore --tokens 512 --policy h2o --policy local --budget 64 --out explore.html
-    python scripts/screenshot_explore.py explore.html results/explore.png [layer] [step]
+    python scripts/explore/screenshot_explore.py explore.html results/explore/explore.png [layer] [step]
 """
 import sys
 from pathlib import Path

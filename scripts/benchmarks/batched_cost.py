@@ -1,7 +1,7 @@
 """What running configurations as the rows of one batch (`h2o_mini/policies/rows.py`) saves, and why: the numbers
 behind docs/benchmarks.md, "Many configurations in one pass". CPU, fp32, the default model, one process.
 
-    python scripts/batched_cost.py [--tokens 128] [--new-tokens 32] [--model M] [--device cpu|cuda]
+    python scripts/benchmarks/batched_cost.py [--tokens 128] [--new-tokens 32] [--model M] [--device cpu|cuda]
 
 1. the forward pass per token and row, at batch 1 and batch 30 (is it bound by arithmetic or by weights?);
 2. every registered policy at 0.1 and 0.2 of 2048 tokens reading the first --tokens of GPL-3 in stream mode:

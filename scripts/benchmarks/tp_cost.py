@@ -3,7 +3,7 @@
 Each rank times (1) the decode step of the default model (eager, fp32, a cache of 512 + 64 tokens under full
 and h2o 0.2, batch 1 and 8) and (2) that step's communication alone: 2 all-reduces per layer of a
 (batch, 1, d_model) fp32 tensor, 60 for the 30 layers. Rank 0 prints one line per case.
-Run: python scripts/tp_cost.py (one process), torchrun --nproc-per-node 3 scripts/tp_cost.py (three ranks)
+Run: python scripts/benchmarks/tp_cost.py (one process), torchrun --nproc-per-node 3 scripts/benchmarks/tp_cost.py (three ranks)
 """
 import time
 

@@ -9,9 +9,9 @@ setup) and scoring (docs/benchmarks.md, "The per-token loop (issue 36)").
   nothing evicted, the head included), the read under the policy (the same with its cache), and the scoring
   of the logits (log-softmax, NLL). Eviction = read - forward.
 
-    python scripts/loop_ops.py --tokens 2048 h2o scissorhands          # the default model, 2048 tokens of GPL-3
-    PYTHONPATH=/tmp/before python scripts/loop_ops.py ...              # another checkout (run outside the repo)
-    python scripts/loop_ops.py --device cuda [--compile] ...            # on a GPU (scripts/gpu/run.sh)
+    python scripts/benchmarks/loop_ops.py --tokens 2048 h2o scissorhands          # the default model, 2048 tokens of GPL-3
+    PYTHONPATH=/tmp/before python scripts/benchmarks/loop_ops.py ...              # another checkout (run outside the repo)
+    python scripts/benchmarks/loop_ops.py --device cuda [--compile] ...            # on a GPU (scripts/gpu/run.sh)
 """
 import argparse
 import json

@@ -3,11 +3,11 @@
 # on 2 cores. Sweeps append each finished point to their .jsonl and skip the points already there, so an
 # interrupted run picks up where it stopped: run it again with the same folder.
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/quality}
 mkdir -p "$out"
 lic=/usr/share/common-licenses
 # 1. The ablation: H2O, its two halves and sinks at 0.05 / 0.1 / 0.2 / 0.5, 4096 tokens of two texts (every
-#    registered policy at 2048 tokens: scripts/run_leaderboard.sh).
+#    registered policy at 2048 tokens: scripts/quality/run_leaderboard.sh).
 for text in GPL-3 GFDL-1.3; do
   h2o-mini eval sweep ppl --chunk 256 --text $lic/$text --tokens 4096 --policy local --policy heavy_hitter --policy h2o \
     --policy sinks --out "$out/ablation_$text.jsonl" \

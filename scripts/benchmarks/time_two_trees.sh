@@ -3,7 +3,7 @@
 # batch 1 against transformers (bench --vs-hf), eval ppl with full and with h2o at 0.1 of 2048 tokens of the GPL-3,
 # and a batched sweep (every registered evicting policy at 0.1 of 1024 tokens, one pass). Default model, CPU.
 #   git worktree add /tmp/before <commit>
-#   scripts/time_two_trees.sh /tmp/before . [ROUNDS] > results/redesign_timings.jsonl
+#   scripts/benchmarks/time_two_trees.sh /tmp/before . [ROUNDS] > results/benchmarks/redesign_timings.jsonl
 # One JSON line per (round, tree, command): decode tok/s (and transformers' in the same run), or wall seconds.
 set -euo pipefail
 old=$(cd "$1" && pwd); new=$(cd "$2" && pwd); rounds=${3:-2}

@@ -2,9 +2,9 @@
 # The policy leaderboard, the quantization table and the SnapKV needle of docs/results.md (issue 9), on the
 # default model, CPU, fp32. About an hour on 2 cores. Sweeps append each finished point to their .jsonl and
 # skip the points already there: an interrupted run picks up where it stopped.
-#   python results_tables.py results leaderboard     prints the tables
+#   python scripts/quality/results_tables.py results leaderboard     prints the tables
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/quality}
 mkdir -p "$out"
 lic=/usr/share/common-licenses
 # 1. Every registered policy at 0.05 / 0.1 / 0.2 on the first 2048 tokens of two texts, every token scored

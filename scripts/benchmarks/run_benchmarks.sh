@@ -3,7 +3,7 @@
 # Each target's ratio comes from configurations measured side by side in one process (`--repeat` interleaves
 # them and reports medians: the machine is shared and noisy).
 set -euo pipefail
-out=${1:-results}
+out=${1:-results/benchmarks}
 mkdir -p "$out"
 gpl=/usr/share/common-licenses/GPL-3
 budget() { [ "$1" = full ] || echo "--budget 0.2"; }  # full takes no budget
@@ -20,7 +20,7 @@ h2o-mini bench --policy full --prompt-tokens 128 --new-tokens 128 --repeat 3 --v
 # Target 4: the same KV-memory cap (256 MB), 512-token prompts + 2048 new tokens: the largest batch each fits.
 h2o-mini bench --kv-memory 256MB --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --new-tokens 2048 --json > "$out/t4_memory_capped.jsonl"
 # Decode-step cost and what bounds it: weights alone, the step without a cache, full vs h2o (targets 2-4).
-python scripts/step_cost.py > "$out/step_cost.txt"
+python scripts/benchmarks/step_cost.py > "$out/step_cost.txt"
 # The curve: decode rate, KV bytes and peak memory against context, batch 4.
 h2o-mini bench --policy full --policy h2o --budget 0.2 --prompt-tokens 512 --prompt-tokens 1024 --prompt-tokens 2048 \
   --prompt-tokens 4096 --batch 4 --new-tokens 16 --same-prompt --json --plot "$out/bench_context.png" > "$out/bench_context.jsonl"
@@ -32,5 +32,5 @@ done > "$out/t5_eval_4096.jsonl"
 h2o-mini plot kept --policy local --policy heavy_hitter --policy h2o --budget 64 --tokens 256 --layer 15 --out "$out/kept.png"
 # Issue 36: where a sweep's time goes, every registered evicting policy at 0.1 and 0.2 (with expected_attention),
 # then the 14 of the issue (without it). About 12 minutes.
-python scripts/sweep_cost.py --json > "$out/sweep_cost.jsonl"
-python scripts/sweep_cost.py --json --skip expected_attention >> "$out/sweep_cost.jsonl"
+python scripts/benchmarks/sweep_cost.py --json > "$out/sweep_cost.jsonl"
+python scripts/benchmarks/sweep_cost.py --json --skip expected_attention >> "$out/sweep_cost.jsonl"

@@ -177,7 +177,7 @@ def test_rows_with_a_rule_s_state_beside_padding_equal_each_prompt_alone(tiny_mo
     from dataclasses import asdict
 
     from h2o_mini.generate import left_pad
-    from .reference import reference_logits
+    from .restated import restated_logits
     model = tiny_model("llama_gqa_tied")
     texts = [text_bytes(40, 100), text_bytes(23, 700), text_bytes(31, 1500)]  # padded by 0, 17 and 9 tokens
     policies = [make_policy("h2o", 9, 40), Counted(**asdict(make_policy("h2o", 9, 40))),
@@ -190,6 +190,6 @@ def test_rows_with_a_rule_s_state_beside_padding_equal_each_prompt_alone(tiny_mo
         prompt_logits = torch.cat([model(idx[:, s:e], pos[:, s:e], cache) for s, e in plan], 1)
         steps = [model(torch.tensor([[f[i]] for f in follow]), pos[:, -1:] + 1 + i, cache) for i in range(8)]
     for row, (p, text, policy) in enumerate(zip(prompts, texts, policies)):
-        want = reference_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
+        want = restated_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
         got = torch.cat([prompt_logits[row, -len(p):]] + [s[row] for s in steps])
         assert (got - want).abs().max() <= 1e-4, f"row {row}"

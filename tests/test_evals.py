@@ -10,7 +10,7 @@ from h2o_mini import api
 from h2o_mini.policies import make_policy
 
 from .conftest import GPL3, text_bytes
-from .reference import reference_logits
+from .restated import restated_logits
 from .test_bad_input import one_line_error, run_cli
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -96,7 +96,7 @@ def test_policies_inside_the_context(lm, full_run, h2o_quarter):
     assert abs(same - full) <= 1e-4
     got, _ = PolicyLM(lm, "h2o", "0.25")._loglikelihood_tokens([(None, ctx, cont)])[0]
     policy = make_policy("h2o", "0.25", len(seq) - 1)
-    ref = reference_logits(lm.model, seq[:-1], policy, policy.capacity).log_softmax(-1)
+    ref = restated_logits(lm.model, seq[:-1], policy, policy.capacity).log_softmax(-1)
     want = sum(ref[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
     assert abs(got - want) < 1e-4 and abs(got - full) > 1e-3
 

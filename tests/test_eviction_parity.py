@@ -1,4 +1,4 @@
-"""Every fast path of the evicting cache against the naive reference (tests/reference.py), fp32, 1e-4:
+"""Every fast path of the evicting cache against every rule restated (tests/restated.py), fp32, 1e-4:
 the decode step, stream prefill in chunks, dense prefill then decoding, and ragged batches, for every
 registered policy, with keys and values as they are and quantized to 8 and 4 bits."""
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from h2o_mini.generate import Decoder, left_pad
 from h2o_mini.policies import H2O, REGISTRY, Policy, make_policy
 
 from .conftest import FAMILIES, text_bytes
-from .reference import reference_logits
+from .restated import restated_logits
 
 T, C = 48, 10
 # every registered policy at C = 10, plus h2o's two degenerate splits and an uneven one
@@ -48,7 +48,7 @@ def _close(a, b, tol=1e-4):
 @pytest.mark.parametrize("name,recent", CASES)
 def test_decode_step_matches_reference(tiny_model, family, name, recent):
     model, policy = tiny_model(family), _policy(name, recent)
-    want = reference_logits(model, IDS, policy)
+    want = restated_logits(model, IDS, policy)
     got = _run(model, IDS, policy, [(t, t + 1, "step") for t in range(T)])
     assert _close(got, want)
 
@@ -58,7 +58,7 @@ def test_decode_step_matches_reference(tiny_model, family, name, recent):
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_stream_prefill_matches_reference(tiny_model, family, name, recent, chunk):
     model, policy = tiny_model(family), _policy(name, recent)
-    want = reference_logits(model, IDS, policy)
+    want = restated_logits(model, IDS, policy)
     got = _run(model, IDS, policy, [(s, min(T, s + chunk), "stream") for s in range(0, T, chunk)])
     assert _close(got, want)
 
@@ -68,7 +68,7 @@ def test_stream_prefill_matches_reference(tiny_model, family, name, recent, chun
 @pytest.mark.parametrize("block", [512, 7])  # the prompt in one query block, and in causal blocks of 7
 def test_dense_prefill_then_decode_matches_reference(tiny_model, family, name, recent, block):
     model, policy, n = tiny_model(family), _policy(name, recent), 30  # a prompt longer than C
-    want = reference_logits(model, IDS, policy, dense_prompt=n)
+    want = restated_logits(model, IDS, policy, dense_prompt=n)
     got = _run(model, IDS, policy, [(0, n, "dense")] + [(t, t + 1, "step") for t in range(n, T)], dense_block=block)
     assert _close(got, want)
 
@@ -85,9 +85,9 @@ def test_quantized_cache_matches_reference(tiny_model, name, kv_bits):
     model, policy, n = tiny_model("llama_gqa_tied"), _policy(name, None), 20
     plan = [(0, n, "dense"), (n, 27, "stream"), (27, 34, "stream")] + [(t, t + 1, "step") for t in range(34, T)]
     got, given = _run(model, IDS, policy, plan, kv_bits, record=True)
-    assert _close(got, reference_logits(model, IDS, policy, dense_prompt=n, kv_bits=kv_bits, given_kv=given))
+    assert _close(got, restated_logits(model, IDS, policy, dense_prompt=n, kv_bits=kv_bits, given_kv=given))
     got, given = _run(model, IDS, policy, [(0, 16, "stream"), (16, T, "stream")], kv_bits, record=True)
-    assert _close(got, reference_logits(model, IDS, policy, kv_bits=kv_bits, given_kv=given))
+    assert _close(got, restated_logits(model, IDS, policy, kv_bits=kv_bits, given_kv=given))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,7 +110,7 @@ def test_ragged_batch_rows_match_each_prompt_alone(tiny_model, family, name, pre
     for i in range(8):  # teacher-forced decode steps, every row its own next token
         steps.append(model(torch.tensor([[f[i]] for f in follow]), step_pos + i, cache))
     for row, (p, text) in enumerate(zip(prompts, texts)):
-        want = reference_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
+        want = restated_logits(model, text, policy, 40, dense_prompt=len(p) if prefill == "dense" else 0)
         got = torch.cat([prompt_logits[row, -len(p):]] + [s[row] for s in steps])
         assert _close(got, want), f"row {row}"
 
@@ -159,7 +159,7 @@ class _Unlisted(Policy):
 def test_a_new_policy_is_checked_by_its_own_keep_score(tiny_model, mode):
     model, policy = tiny_model("llama_gqa_tied"), _Unlisted(keep=9)
     n = 30 if mode == "dense" else 0
-    want = reference_logits(model, IDS, policy, dense_prompt=n)
+    want = restated_logits(model, IDS, policy, dense_prompt=n)
     first = [(0, n, "dense")] if n else [(0, 20, mode)] if mode == "stream" else []
     start = first[-1][1] if first else 0
     got = _run(model, IDS, policy, first + [(t, t + 1, "step") for t in range(start, T)])

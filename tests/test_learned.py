@@ -1,5 +1,5 @@
 """The look-ahead rules (issue 37): `expected_attention` (in the registry, so every parity suite runs it and
-tests/reference.py restates it) and `learned`, fitted by `h2o-mini learn-policy` to hindsight. A rule fitted to one
+tests/restated.py restates it) and `learned`, fitted by `h2o-mini learn-policy` to hindsight. A rule fitted to one
 model is checked on every fast path of that model against the naive reference, and refused on any other."""
 import json
 import subprocess

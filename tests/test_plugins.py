@@ -13,7 +13,7 @@ from h2o_mini.checks.naive import naive_logits as by_hooks
 from h2o_mini.policies import REGISTRY, make_policy, resolve
 
 from .conftest import GPL3, text_bytes
-from .reference import reference_logits as restated
+from .restated import restated_logits as restated
 
 VNORM = '''
 """A value-norm rule written outside h2o-mini: keep the tokens whose values are largest, plus a recent window."""
@@ -216,7 +216,7 @@ def test_a_sweep_over_a_parameter_is_one_command_and_resumes_by_it(folder, tmp_p
 
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_the_hook_reference_agrees_with_the_restated_rules(tiny_model, name):
-    """`check-policy`'s reference (the policy's own hooks) and tests/reference.py (each rule written out again)
+    """`check-policy`'s reference (the policy's own hooks) and tests/restated.py (each rule written out again)
     give the same logits: step by step, and after a dense prompt."""
     model, ids = tiny_model("llama_gqa_tied"), text_bytes(40, 2000)
     policy = make_policy(name, 10 if resolve(name).cls.takes_budget else None, 40)

@@ -7,7 +7,7 @@ from h2o_mini.evals.ppl import score_text
 from h2o_mini.policies import REGISTRY, make_policy
 
 from .conftest import text_bytes
-from .reference import reference_logits
+from .restated import restated_logits
 
 
 @pytest.mark.parametrize("name", ["h2o", "heavy_hitter", "local"])
@@ -15,7 +15,7 @@ def test_eval_scores_every_token_in_stream_mode(tiny_model, name):
     model, ids = tiny_model("llama_gqa_tied"), text_bytes(60, 5000)
     policy = make_policy(name, 12, len(ids))
     got = score_text(model, ids, policy, chunk=16, compare_full=True)
-    ref = reference_logits(model, ids, policy, 12).log_softmax(-1)
+    ref = restated_logits(model, ids, policy, 12).log_softmax(-1)
     want = -ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
     assert got["capacity"] == 12 and got["tokens"] == 60
     assert abs(got["nll"] - want) < 1e-5
@@ -32,7 +32,7 @@ def test_eval_of_every_registered_policy_equals_the_reference(tiny_model, name):
     model, ids = tiny_model("llama_gqa_tied"), text_bytes(48, 4000)
     policy = make_policy(name, 10, len(ids))
     got = score_text(model, ids, policy, chunk=16, compare_full=True)
-    ref = reference_logits(model, ids, policy).log_softmax(-1)
+    ref = restated_logits(model, ids, policy).log_softmax(-1)
     assert abs(got["nll"] - -ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()) < 1e-5
     assert got["params"] == policy.params() and got["kl_full"] >= 0
     full = score_text(model, ids, make_policy("full", None, len(ids)))

@@ -1,9 +1,10 @@
-"""The naive reference for `docs/spec.md` and every registered policy's rule (docs/policies.md): every key and
-value is kept, and the policy is applied as a mask, one token at a time, in plain Python loops. It shares no
-eviction code with `h2o_mini.cache` or the policy classes: each built-in rule is written out again here from its
-documented statement (only the parameters are read off the policy object). A policy not written out here (a
-plugin) is checked by `h2o_mini.checks.naive.NaiveCache`, which drives the policy's own hooks one token at a time
-(what `h2o-mini check-policy` runs). Single row only (rows never influence each other; batched paths are
+"""Every built-in rule restated (docs/policies.md), the tests' oracle beside the one naive reference: where
+`h2o_mini.checks.naive` drives a policy's own hooks (so a hook that misstates its rule would pass there), this
+file writes each rule out again from its documented statement. Every key and value is kept, and the rule is
+applied as a mask, one token at a time, in plain Python loops (docs/spec.md). It shares no eviction code with
+`h2o_mini.cache` or the policy classes (only the parameters are read off the policy object). A policy not written
+out here (a plugin) goes to `h2o_mini.checks.naive.NaiveCache`, its own hooks one token at a time (what
+`h2o-mini check-policy` runs). Single row only (rows never influence each other; batched paths are
 compared per row). With `kv_bits`, every key and value is rounded through the documented quantizer as it enters
 (written out again here too).
 """
@@ -55,7 +56,7 @@ def layer_capacities(policy: Policy, n_layer: int, length: int) -> list[int]:
     return [min(length, w + ends[i + 1] - ends[i]) for i in range(n_layer)]
 
 
-class ReferenceCache:
+class RestatedCache:
     def __init__(self, cfg, policy: Policy, length: int, kv_bits: int | None = None, given_kv=None):
         """given_kv: per layer, position -> (k, v), each (n_kv_head, hd): the keys and values a fast path
         computed (`record_kv`), used instead of this model's own before they are rounded. Quantization is
@@ -305,21 +306,21 @@ class ReferenceCache:
 
 
 class _Layer:
-    def __init__(self, cache: ReferenceCache, index: int):
+    def __init__(self, cache: RestatedCache, index: int):
         self.cache, self.index = cache, index
 
     def attend(self, q, k, v, pos):
         return self.cache.attend(self.index, q, k, v, pos)
 
 
-def reference_logits(model, ids: list[int], policy: Policy, length: int | None = None, dense_prompt: int = 0,
+def restated_logits(model, ids: list[int], policy: Policy, length: int | None = None, dense_prompt: int = 0,
                      kv_bits: int | None = None, given_kv=None) -> torch.Tensor:
     """Teacher-forced logits (T, V): the first `dense_prompt` tokens as a dense prompt, the rest one at a time,
-    in a cache sized for `length` tokens (default: the ids). given_kv: see `ReferenceCache`."""
+    in a cache sized for `length` tokens (default: the ids). given_kv: see `RestatedCache`."""
     if policy.name not in KNOWN:  # a plugin: its own hooks, one token at a time
         from h2o_mini.checks.naive import naive_logits as by_hooks
         return by_hooks(model, ids, policy, length, dense_prompt, kv_bits, given_kv)
-    cache = ReferenceCache(model.cfg, policy, length or len(ids), kv_bits, given_kv)
+    cache = RestatedCache(model.cfg, policy, length or len(ids), kv_bits, given_kv)
     x = torch.tensor([ids])
     outs = []
     if dense_prompt:

@@ -13,7 +13,8 @@ through L layers then takes n + L - 1 loops over a chunk instead of n x L.
 nothing waits for anything: every operation is the one reading the chunks one after another runs, each row's
 arithmetic its own (the loop's operations run along the slot axis of each row), so the logits are the same.
 Under tensor parallel every rank runs the same diagonals in the same order, so the collectives of `finish`
-meet.
+meet. A diagonal whose loops' transients would pass `loop_budget` (a sweep's many rows in every layer) runs as
+several batches, in order (`stream_batched`): each row's arithmetic is the same, only fewer rows share a loop.
 """
 from __future__ import annotations
 
@@ -48,14 +49,35 @@ def read(model, cache, idx: torch.Tensor, pos: torch.Tensor, chunk: int,
                 yield starts[c], model.head(out) if head else out
 
 
-def stream_batched(requests: list[tuple]) -> list[torch.Tensor]:
+def stream_batched(requests: list[tuple], budget: int | None = None) -> list[torch.Tensor]:
     """`prompt.stream_many` over requests of the same shapes at once (the last chunk may be shorter, a layer
-    narrower): each output in the requests' order."""
+    narrower), each batch's loop transients within `budget` bytes (default: `loop_budget`): each output in the
+    requests' order. A diagonal of many wide cells (a sweep's rows in every layer) runs as several batches, so the
+    memory of the read follows its caches, not the number of cells in flight."""
     groups: dict[tuple, list[int]] = {}
     for i, (slots, q, *_) in enumerate(requests):
         groups.setdefault((tuple(q.shape), tuple(slots.pos.shape)), []).append(i)
     outs = [None] * len(requests)
     for members in groups.values():
-        for i, o in zip(members, prompt.stream_many([requests[i] for i in members])):
-            outs[i] = o
+        layer, q = requests[members[0]][:2]
+        limit = loop_budget(q.device) if budget is None else budget
+        per = max(1, limit // loop_bytes(q.shape, layer.pos.shape[2]))  # cells per batch
+        for s in range(0, len(members), per):
+            batch = members[s:s + per]
+            for i, o in zip(batch, prompt.stream_many([requests[i] for i in batch])):
+                outs[i] = o
     return outs
+
+
+def loop_bytes(q_shape, C: int) -> int:
+    """The stream loop's largest transients for one cell: its fp32 attention logits to the C + K virtual slots,
+    about three times (the logits, a masked copy, the probabilities), q_shape (B, n_head, K, hd)."""
+    B, n_head, K, _ = q_shape
+    return 3 * 4 * B * n_head * K * (C + K)
+
+
+def loop_budget(device) -> int:
+    """512 MiB on a CPU, where a wider batch gains little once a few cells run together (a 30-point sweep: the same
+    time within noise as no bound, docs/benchmarks.md); 8 GiB on a GPU, where each batch is the loop's kernel
+    launches again."""
+    return 2**29 if torch.device(device).type == "cpu" else 2**33

@@ -50,3 +50,28 @@ def test_the_read_is_one_loop_in_this_thread(tiny_model):
     with torch.inference_mode():
         for _ in wavefront.read(model, cache, idx, pos, 7):
             assert threading.active_count() == before
+
+
+def test_a_diagonal_past_the_memory_budget_runs_as_several_batches_with_the_same_logits(tiny_model, monkeypatch):
+    """With a loop budget of one cell's transients (the tiny models' diagonals hold two: two layers), no stream
+    loop runs more than one cell, and the logits and caches are those of the unbounded read (1e-5, as above)."""
+    cells = 1
+    from h2o_mini import prompt
+    model, policy = tiny_model("llama_gqa_tied"), _policies()["h2o"]
+    idx, pos = left_pad([text_bytes(T, offset=100), text_bytes(31, offset=900)])
+    decoder = Decoder(model, chunk=7)
+    wide, narrow = decoder.new_cache(policy, 2, T, "stream"), decoder.new_cache(policy, 2, T, "stream")
+    cfg = model.cfg
+    one = wavefront.loop_bytes((2, cfg.n_head, 7, cfg.head_dim), wide.layers[0].capacity)
+    widths, stream_many = {"wide": [], "narrow": []}, prompt.stream_many
+    with torch.inference_mode():
+        monkeypatch.setattr(prompt, "stream_many", lambda r: widths["wide"].append(len(r)) or stream_many(r))
+        want = torch.cat([o for _, o in wavefront.read(model, wide, idx, pos, 7)], 1)
+        monkeypatch.setattr(wavefront, "loop_budget", lambda device: cells * one)
+        monkeypatch.setattr(prompt, "stream_many", lambda r: widths["narrow"].append(len(r)) or stream_many(r))
+        got = torch.cat([o for _, o in wavefront.read(model, narrow, idx, pos, 7)], 1)
+    # the same cells, in batches of at most `cells` where the unbounded read had wider ones
+    assert sum(widths["narrow"]) == sum(widths["wide"]) and max(widths["narrow"]) == cells < max(widths["wide"])
+    assert (got - want)[pos >= 0].abs().max() <= 1e-5
+    for a, b in zip(wide.layers, narrow.layers):
+        assert torch.equal(a.pos, b.pos) and (a.score - b.score).abs().max() <= 1e-5

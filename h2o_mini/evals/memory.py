@@ -4,7 +4,8 @@ A row of a batch that reads a text in stream mode (`evals/ppl.score_many`) holds
 
 * its cache: every layer's slots, C of the batch's widest row (all rows share the layer's width), each with a
   key and a value as stored and a position and a score (12 bytes);
-* the stream loop of every chunk in flight (`wavefront.py`: up to min(chunks, layers) at once): the virtual
+* the stream loop of every chunk in flight (`wavefront.py`: up to min(chunks, layers) at once, fewer at once
+  where their transients pass `wavefront.loop_budget`, which this estimate leaves out to stay generous): the virtual
   slots' keys and values (S = C + chunk, twice: gathered and stacked) and the chunk's fp32 attention logits,
   (heads x chunk x S), three times (the logits, their masked copy, the probabilities);
 * the forward pass of each chunk in flight: about 4 activations of the model's width and 3 of the MLP's.

@@ -141,6 +141,10 @@ def test_the_sweep_cost_split_attributes_every_part(folder):
     assert all(v >= 0 for v in parts.values()), parts
     assert row["points"] == 4 and abs(sum(parts.values()) - row["sweep_s"]) < 0.1 * len(parts)
     assert 0 < row["nll_h2o_0.1"] < 20
+    per_token = row["hooks_us_per_token"]  # a rule's hooks over its 2 points x 48 tokens x the layers, in us
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert set(per_token) == {"h2o", "expected_attention"}
+    assert abs(per_token["h2o"] - parts["hooks: h2o"] * 1e6 / (2 * 48 * layers)) <= 0.01 + 0.1e6 / (2 * 48 * layers)
 
 
 def test_ctrl_c_in_bench_before_any_row_says_how_far_it_got(folder, capsys, monkeypatch):

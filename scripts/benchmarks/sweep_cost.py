@@ -7,7 +7,8 @@ never overlap and add up to the wall):
 * scoring: the head and the NLL / KL of every row's logits (`ppl.tally` and `model.head`);
 * setup: per layer and chunk, the virtual slots gathered and the survivors compacted (`prompt._Read`);
 * loop: the per-token body (`prompt.stream_token`) less the rules' hooks inside it;
-* hooks: each rule's own hooks (keep_score, update, accumulate, observe, ...), per rule, wherever they run;
+* hooks: each rule's own hooks (keep_score, update, accumulate, observe, ...), per rule, wherever they run (and,
+  as `hooks_us_per_token`, per token, layer and row of one of its points);
 * attention: the rest of `prompt.stream_many` (the chunk's logits, its masked softmax and output);
 * forward: everything else (the linear layers, norms and RoPE of every row, the wavefront's own loop).
 
@@ -100,6 +101,7 @@ def main():
         results = dict(ppl.score_many(lm.model, ids, policies, reference, args.chunk, progress=False))
         wall = time.perf_counter() - t0
     hooks = {k: v for k, v in spent.items() if k.startswith("hooks: ")}
+    rows = {f"hooks: {name}": sum(n == name for n, _ in points) for name in names}  # points of each rule
     elsewhere = sum(hooks.values()) - spent["hooks in loop"] - spent["hooks in setup"]  # e.g. before the first eviction
     parts = {"forward": wall - spent["in stream_many"] - spent["scoring"], "scoring": spent["scoring"],
              "attention": spent["in stream_many"] - spent["setup"] - spent["loop"] - elsewhere,
@@ -111,6 +113,9 @@ def main():
            "sweep_over_full_reads": round(wall / (len(points) * full_s), 3),
            "sweep_over_full_commands": round(wall / (len(points) * command_s), 3),
            "parts_s": {k: round(v, 1) for k, v in parts.items()},
+           # each rule's hooks per token, layer and row (one of its points): what one step of its rule costs
+           "hooks_us_per_token": {k[len("hooks: "):]: round(v * 1e6 / (rows[k] * T * lm.model.cfg.n_layer), 2)
+                                  for k, v in sorted(hooks.items(), key=lambda kv: -kv[1])},
            "nll_h2o_0.1": results[points.index(("h2o", "0.1"))]["nll"] if ("h2o", "0.1") in points else None}
     if args.json:
         print(json.dumps(row))
@@ -120,6 +125,8 @@ def main():
           f"`eval ppl --policy full` commands ({command_s:.2f} s each, issue 36's measure)")
     for k, v in parts.items():
         print(f"  {k:30s} {v:7.1f} s  {v / wall:6.1%}  {v / (len(points) * command_s):.3f} x the commands")
+    print("each rule's hooks per token, layer and row: " + ", ".join(
+        f"{k} {v:.1f} us" for k, v in row["hooks_us_per_token"].items()))
 
 
 if __name__ == "__main__":

@@ -49,19 +49,18 @@ def read(model, cache, idx: torch.Tensor, pos: torch.Tensor, chunk: int,
                 yield starts[c], model.head(out) if head else out
 
 
-def stream_batched(requests: list[tuple], budget: int | None = None) -> list[torch.Tensor]:
+def stream_batched(requests: list[tuple]) -> list[torch.Tensor]:
     """`prompt.stream_many` over requests of the same shapes at once (the last chunk may be shorter, a layer
-    narrower), each batch's loop transients within `budget` bytes (default: `loop_budget`): each output in the
-    requests' order. A diagonal of many wide cells (a sweep's rows in every layer) runs as several batches, so the
-    memory of the read follows its caches, not the number of cells in flight."""
+    narrower), each batch's loop transients within `loop_budget`: each output in the requests' order. A diagonal
+    of many wide cells (a sweep's rows in every layer) runs as several batches, so the memory of the read follows
+    its caches, not the number of cells in flight."""
     groups: dict[tuple, list[int]] = {}
     for i, (slots, q, *_) in enumerate(requests):
         groups.setdefault((tuple(q.shape), tuple(slots.pos.shape)), []).append(i)
     outs = [None] * len(requests)
     for members in groups.values():
         layer, q = requests[members[0]][:2]
-        limit = loop_budget(q.device) if budget is None else budget
-        per = max(1, limit // loop_bytes(q.shape, layer.pos.shape[2]))  # cells per batch
+        per = max(1, loop_budget(q.device) // loop_bytes(q.shape, layer.capacity))  # cells per batch
         for s in range(0, len(members), per):
             batch = members[s:s + per]
             for i, o in zip(batch, prompt.stream_many([requests[i] for i in batch])):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..wavefront import loop_bytes
+
 SHARE = 0.5  # of the free memory, for the batch's rows
 
 
@@ -29,7 +31,7 @@ def row_bytes(cfg, length: int, capacity: int, chunk: int, kv_bits: int | None, 
     cache = slots * cfg.n_kv_head * (2 * cfg.head_dim * stored + 12)
     in_flight = min(-(-length // chunk), cfg.n_layer)
     S = min(capacity, length) + K
-    loop = cfg.n_kv_head * S * cfg.head_dim * elem * 4 + cfg.n_head * K * S * 4 * 3
+    loop = cfg.n_kv_head * S * cfg.head_dim * elem * 4 + loop_bytes((1, cfg.n_head, K, cfg.head_dim), S - K)
     forward = K * (4 * cfg.d_model + 3 * cfg.d_ff) * elem
     return int(cache + in_flight * (loop + forward))
 
